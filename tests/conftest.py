@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny twin (CPU), seeded inputs, and skips for marked tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from h3_multigpu.twin import TwinConfig, make_inputs, make_twin
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA/ROCm GPU"))
+        if "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two GPUs"))
+        if "comfyui" in item.keywords and not os.environ.get("COMFYUI_PATH"):
+            item.add_marker(pytest.mark.skip(reason="set COMFYUI_PATH to a ComfyUI checkout"))
+
+
+@pytest.fixture
+def tiny_config() -> TwinConfig:
+    return TwinConfig.tiny()
+
+
+@pytest.fixture
+def tiny_twin(tiny_config):
+    return make_twin(tiny_config, seed=0)
+
+
+@pytest.fixture
+def tiny_inputs(tiny_config):
+    # S = 16 text + 2*5 audio + 3*2*3 video = 44 tokens
+    return make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=1)
