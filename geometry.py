@@ -38,7 +38,7 @@ REFINER_BLOCKS = 2
 def _nearest_multiple(value: int, multiple: int) -> int:
     low = max(multiple, (value // multiple) * multiple)
     high = low + multiple
-    return low if value - low <= high - value else high
+    return low if value - low < high - value else high  # ties round up: 1296 -> 1312
 
 
 def validate_canvas(width: int, height: int) -> tuple[int, int]:

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 
@@ -22,7 +21,8 @@ def test_module_paths_match_upstream(tiny_twin):
     for expected in ("blocks.0.attn.qkv_proj.weight", "blocks.0.attn.q_norm.weight",
                      "blocks.0.attn.k_norm.weight", "blocks.0.attn.out_proj.weight",
                      "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc2.weight",
-                     "blocks.0.adaln_proj.linear.weight", "token_refiner.blocks.0.attn.qkv_proj.weight"):
+                     "blocks.0.adaln_proj.linear.weight",
+                     "token_refiner.blocks.0.attn.qkv_proj.weight"):
         assert expected in names
 
 

@@ -19,7 +19,8 @@ behaviour; no ComfyUI code is copied.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

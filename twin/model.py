@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .. import geometry
 from .attention import AttentionTensorContainer, ComfyAttention, optimized_attention
-from .rope import axis_inverse_frequencies, rms_rope_split_half_, rope_rotation_table
+from .rope import rms_rope_split_half_
 
 
 @dataclass(frozen=True)

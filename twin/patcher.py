@@ -11,7 +11,8 @@ On real ComfyUI the same `apply_*` functions receive a real ModelPatcher instead
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -1,0 +1,406 @@
+"""The placement plan: where each component goes, what each GPU peaks at, and why.
+
+`plan_job(PlanRequest(...))` is the single source of truth the nodes, the CLI and the features
+read: device placement (text encoder, VAEs and upscaler on the helper GPU0; DiT and sampler on
+the root GPU1), whether Dual-Sage pays off and its head split, FFN/QKV chunk sizes, how many DiT
+blocks stay resident and how many stream from pinned host memory, and the predicted peak and
+headroom per GPU per phase. A job that cannot fit is reported with the smallest change that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .. import geometry
+from . import timing
+from .components import OFFICIAL, ComponentSizes, bf16_sizes, dit_sizes_from_file
+from .hardware import GiB, HardwareProfile, detect_hardware, get_profile
+from .memory import BlockDims, ChunkSettings, block_activation_peak, choose_chunks
+
+LOOKAHEAD = 2  # device slots for streamed blocks (copy of block i+2 in flight while i runs)
+DECODE_SLAB_FRAMES = 9  # output frames the video VAE decodes at once (estimate)
+DECODE_BYTES_PER_PIXEL = 512  # live decoder activations per output pixel-frame (estimate)
+TEXT_ENCODER_WORKSPACE = int(0.75 * GiB)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    width: int = 1312  # PASS2 canvas
+    height: int = 736
+    seconds: float | None = 5.0
+    frames: int | None = None  # overrides seconds when given (must be on the 17k+5 grid)
+    pass1_width: int = 864
+    pass1_height: int = 480
+    profile: str | HardwareProfile = "auto"
+    text_tokens: int = 256
+    lora_rank: int = 128  # on-activation LoRA (the turbo LoRA); 0 = none
+    dit_dtype: str = "int8"  # "int8" (official pruned file) or "bf16"
+    dit_file: str | None = None  # read real block sizes from this checkpoint's header
+    dual_sage: str = "auto"  # "auto" | "on" | "off"
+    chunking: str = "auto"  # "auto" | "off" | "on"
+    resident_blocks: int | None = None  # None = as many as fit
+    fused_swiglu: bool = False  # ComfyUI's linear_input_act; the twin materialises silu
+    quantized_attention: bool = False  # INT8-QK attention backend (ck_int8, triton_sage)
+    pinned_fraction: float = 0.5  # share of host RAM the pinned arena may take
+
+    def __post_init__(self) -> None:
+        geometry.validate_canvas(self.width, self.height)
+        geometry.validate_canvas(self.pass1_width, self.pass1_height)
+        if self.frames is None and self.seconds is None:
+            raise ValueError("give seconds or frames for the clip length")
+        if self.frames is not None:
+            geometry.validate_frames(self.frames)
+        else:
+            geometry.snap_frames(self.seconds)
+        if self.dit_dtype not in ("int8", "bf16"):
+            raise ValueError(f"dit_dtype {self.dit_dtype!r} is not known; use 'int8' or 'bf16'")
+        for name in ("dual_sage", "chunking"):
+            value = getattr(self, name)
+            allowed = ("auto", "on", "off")
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not valid; use one of {allowed}")
+        if self.lora_rank < 0 or self.text_tokens < 0:
+            raise ValueError("lora_rank and text_tokens must be >= 0")
+        if self.resident_blocks is not None and not 0 <= self.resident_blocks <= geometry.BLOCKS:
+            raise ValueError(f"resident_blocks={self.resident_blocks} must be between 0 and "
+                             f"{geometry.BLOCKS}")
+        if not 0.0 < self.pinned_fraction <= 0.9:
+            raise ValueError(f"pinned_fraction={self.pinned_fraction} must be in (0, 0.9]")
+
+    @property
+    def frame_count(self) -> int:
+        return self.frames if self.frames is not None else geometry.snap_frames(self.seconds)
+
+
+@dataclass(frozen=True)
+class DualSagePlan:
+    enabled: bool
+    helper_devices: tuple[int, ...]
+    split: tuple[int, ...]  # heads per device, root first
+    min_tokens: int
+    transport: str  # "peer" | "host" | "none"
+    reason: str
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    ffn_chunk: int
+    qkv_chunk: int
+    head_group: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    resident_blocks: int
+    streamed_blocks: int
+    lookahead: int
+    pinned_budget_bytes: int
+    source: str  # "none" | "pinned" | "pinned+pageable"
+    reason: str
+
+
+@dataclass
+class PhaseMemory:
+    weights: int
+    activations: int
+    workspace: int = 0
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.activations + self.workspace
+
+
+@dataclass
+class GPUPlan:
+    index: int
+    role: str  # "root", "helper", "root+helper"
+    name: str
+    capacity_bytes: int
+    reserve_bytes: int  # fragmentation margin + runtime context, kept free
+    phases: dict[str, PhaseMemory] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((p.peak for p in self.phases.values()), default=0)
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.reserve_bytes - self.peak_bytes
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    profile: HardwareProfile
+    sizes: ComponentSizes
+    pass1: geometry.PassGeometry
+    pass2: geometry.PassGeometry
+    root_device: int
+    helper_devices: list[int]
+    placement: dict[str, int]
+    dual_sage: DualSagePlan
+    chunking: ChunkPlan
+    prefetch: PrefetchPlan
+    gpus: list[GPUPlan]
+    step_time_s: dict[str, float]
+    single_gpu_step_time_s: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def tokens(self) -> int:
+        return self.pass2.tokens
+
+    def report(self) -> str:
+        from .report import render_report
+
+        return render_report(self)
+
+    def to_dict(self) -> dict:
+        from .report import plan_to_dict
+
+        return plan_to_dict(self)
+
+
+def reserve_bytes(capacity: int) -> int:
+    """Kept free on every GPU: allocator fragmentation and the runtime's own context."""
+    return int(0.4 * GiB + 0.04 * capacity)
+
+
+def _resolve_profile(profile: str | HardwareProfile) -> HardwareProfile:
+    if isinstance(profile, HardwareProfile):
+        return profile
+    return detect_hardware() if profile == "auto" else get_profile(profile)
+
+
+def _sizes(request: PlanRequest) -> ComponentSizes:
+    sizes = bf16_sizes(OFFICIAL) if request.dit_dtype == "bf16" else OFFICIAL
+    if request.dit_file:
+        sizes = dit_sizes_from_file(request.dit_file, sizes)
+    if request.lora_rank == 0:
+        sizes = replace(sizes, lora_bytes=0)
+    return sizes
+
+
+def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
+    """Plan one two-pass job; raises ValueError for invalid input (nothing is loaded).
+
+    A job that does not fit gets `suggestions` (set `suggest=False` to skip that search).
+    """
+    profile = _resolve_profile(request.profile)
+    sizes = _sizes(request)
+    frames = request.frame_count
+    pass1 = geometry.PassGeometry(request.pass1_width, request.pass1_height, frames)
+    pass2 = geometry.PassGeometry(request.width, request.height, frames)
+    tokens = {"pass1": pass1.tokens + request.text_tokens,
+              "pass2": pass2.tokens + request.text_tokens}
+    dims = BlockDims(element_bytes=2)
+    multi = profile.gpu_count >= 2
+    root = 1 if multi else 0  # GPU0 hosts the text encoder, VAEs and upscaler: the DiT gets GPU1
+    helpers = [i for i in range(profile.gpu_count) if i != root]
+
+    # 1. Dual-Sage: does sharding heads over the link pay off at PASS2's length?
+    dual = _plan_dual_sage(request, profile, root, helpers, tokens["pass2"])
+    layout = _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2)
+    if dual.enabled and request.dual_sage == "auto" and not _root_fits(layout, root):
+        # the root-side gather buffer of the helper heads is what tips it over: go without
+        dual = replace(_DUAL_OFF, min_tokens=dual.min_tokens, reason=(
+            "would not leave room on the root GPU for the helper heads' q/k/v gather buffer"))
+        layout = _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1,
+                            pass2)
+    chunks, chunk_reason, prefetch, gpus, notes = layout
+    placement = {"text_encoder": helpers[0] if multi else root,
+                 "video_vae": helpers[0] if multi else root,
+                 "audio_vae": helpers[0] if multi else root,
+                 "latent_upscaler": helpers[0] if multi else root,
+                 "dit": root, "sampler": root}
+
+    # 2. Time per step, with and without the multi-GPU features.
+    step, single = {}, {}
+    q = request.quantized_attention
+    for name, s in tokens.items():
+        step[name] = _step_time(s, profile, root, helpers, dual, prefetch, sizes, q)
+        single[name] = _step_time(s, profile, root, [], _DUAL_OFF, prefetch, sizes, q)
+
+    plan = Plan(request, profile, sizes, pass1, pass2, root, helpers, placement, dual,
+                ChunkPlan(chunks.ffn_chunk, chunks.qkv_chunk, chunks.head_group, chunk_reason),
+                prefetch, gpus, step, single, notes)
+    _check_fit(plan, suggest)
+    return plan
+
+
+def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2):
+    """Chunking and residency on the root GPU from what is left after the fixed weights."""
+    root_gpu = profile.gpus[root]
+    lora = request.lora_rank > 0
+    root_extra = (3 * sum(dual.split[1:]) * dims.head_dim * dims.element_bytes
+                  if dual.enabled else 0)
+    reserve = reserve_bytes(root_gpu.memory_bytes)
+    fixed = sizes.dit_other_bytes + sizes.lora_bytes
+    budget = root_gpu.memory_bytes - reserve - fixed
+    all_blocks = geometry.BLOCKS * sizes.dit_block_bytes
+    peak_kwargs = dict(lora_on_activations=lora, fused_swiglu=request.fused_swiglu,
+                       dual_sage_root_extra_per_token=root_extra)
+    chunks, chunk_reason = _plan_chunks(request, dims, tokens["pass2"], budget - all_blocks,
+                                        peak_kwargs)
+    act = {p: block_activation_peak(tokens[p], dims, chunks, **peak_kwargs) for p in tokens}
+    prefetch = _plan_prefetch(request, profile, sizes, budget - act["pass2"].peak_bytes)
+    notes: list[str] = []
+    gpus = _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1, pass2,
+                      notes)
+    return chunks, chunk_reason, prefetch, gpus, notes
+
+
+def _root_fits(layout, root: int) -> bool:
+    g = layout[3][root]
+    return all(m.peak <= g.capacity_bytes - g.reserve_bytes for m in g.phases.values())
+
+
+_DUAL_OFF = DualSagePlan(False, (), (geometry.HEADS,), 0, "none", "single GPU")
+
+
+def _plan_dual_sage(request: PlanRequest, profile: HardwareProfile, root: int,
+                    helpers: list[int], tokens: int) -> DualSagePlan:
+    if not helpers:
+        return DualSagePlan(False, (), (geometry.HEADS,), 0, "none",
+                            "one GPU: nothing to shard onto")
+    if request.dual_sage == "off":
+        return DualSagePlan(False, (), (geometry.HEADS,), 0, "none", "switched off")
+    gpus = [profile.gpus[root]] + [profile.gpus[h] for h in helpers]
+    split = timing.split_heads_by_throughput(gpus)
+    transport = "peer" if profile.link.peer_access else "host"
+    q = request.quantized_attention
+    single = timing.attention_time_s(tokens, gpus[0], quantized=q)
+    sharded = timing.dual_sage_attention_time_s(tokens, gpus[0], gpus[1:], profile.link, split,
+                                                quantized=q)
+    gain = single / sharded
+    min_tokens = timing.choose_min_tokens(gpus[0], gpus[1:], profile.link, split)
+    link = f"{transport} link at {profile.link.helper_gbs:.0f} GB/s"
+    if request.dual_sage == "on" or gain >= 1.03:
+        return DualSagePlan(True, tuple(helpers), split, min_tokens, transport,
+                            f"attention {gain:.2f}x faster at {tokens:,} tokens over the {link}; "
+                            f"calls below {min_tokens:,} tokens stay on the root")
+    return DualSagePlan(False, (), (geometry.HEADS,), min_tokens, transport,
+                        f"would run attention at only {gain:.2f}x over the {link}")
+
+
+def _plan_chunks(request: PlanRequest, dims: BlockDims, tokens: int, free_for_acts: int,
+                 peak_kwargs: dict) -> tuple[ChunkSettings, str]:
+    plain = block_activation_peak(tokens, dims, **peak_kwargs)
+    if request.chunking == "off":
+        return ChunkSettings(), "switched off"
+    if request.chunking == "on":
+        chunked = choose_chunks(0, tokens, dims, **peak_kwargs)
+        return chunked, "forced on"
+    if plain.peak_bytes <= free_for_acts:
+        return ChunkSettings(), (f"not needed: the unchunked peak "
+                                 f"{plain.peak_bytes / GiB:.1f} GiB fits beside all blocks")
+    chunked = choose_chunks(max(free_for_acts, 0), tokens, dims, **peak_kwargs)
+    after = block_activation_peak(tokens, dims, chunked, **peak_kwargs)
+    return chunked, (f"caps the {plain.phase} peak {plain.peak_bytes / GiB:.1f} -> "
+                     f"{after.peak_bytes / GiB:.1f} GiB (row chunking is exact)")
+
+
+def _plan_prefetch(request: PlanRequest, profile: HardwareProfile, sizes: ComponentSizes,
+                   free_for_blocks: int) -> PrefetchPlan:
+    block = sizes.dit_block_bytes
+    pinned_budget = int(profile.host_ram_bytes * request.pinned_fraction)
+    if request.resident_blocks is not None:
+        resident = request.resident_blocks
+    elif free_for_blocks >= geometry.BLOCKS * block:
+        resident = geometry.BLOCKS
+    else:
+        resident = max(0, (free_for_blocks - LOOKAHEAD * block) // block)
+        resident = min(resident, geometry.BLOCKS)
+    streamed = geometry.BLOCKS - resident
+    if streamed == 0:
+        return PrefetchPlan(resident, 0, 0, 0, "none", "all 50 blocks fit on the root GPU")
+    stream_bytes = streamed * block
+    source = "pinned" if stream_bytes <= pinned_budget else "pinned+pageable"
+    reason = (f"{streamed} blocks ({stream_bytes / GiB:.1f} GiB) stream from host memory "
+              f"{LOOKAHEAD} blocks ahead")
+    if source != "pinned":
+        reason += (f"; {pinned_budget / GiB:.0f} GiB pinned budget, the rest through a pinned "
+                   f"staging ring")
+    return PrefetchPlan(resident, streamed, LOOKAHEAD, min(stream_bytes, pinned_budget),
+                        source, reason)
+
+
+def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1, pass2,
+               notes):
+    from .sizing import dual_sage_helper_workspace, upscale_workspace, vae_decode_workspace
+
+    gpus = []
+    slots = prefetch.lookahead * sizes.dit_block_bytes if prefetch.streamed_blocks else 0
+    dit_weights = (sizes.dit_other_bytes + sizes.lora_bytes
+                   + prefetch.resident_blocks * sizes.dit_block_bytes + slots)
+    for index, spec in enumerate(profile.gpus):
+        is_root, is_helper = index == root, index in helpers or not helpers
+        role = "root+helper" if is_root and not helpers else ("root" if is_root else "helper")
+        g = GPUPlan(index, role, spec.describe(), spec.memory_bytes,
+                    reserve_bytes(spec.memory_bytes))
+        helper_side = (not helpers and is_root) or (helpers and index == helpers[0])
+        if helper_side:
+            usable = spec.memory_bytes - g.reserve_bytes
+            # ComfyUI loads what fits and runs the rest of the text encoder from CPU memory
+            te_on_gpu = min(sizes.text_encoder_bytes, usable - TEXT_ENCODER_WORKSPACE)
+            if te_on_gpu < sizes.text_encoder_bytes:
+                notes.append(f"text encoder: {(sizes.text_encoder_bytes - te_on_gpu) / GiB:.1f} "
+                             f"GiB of its weights stay in CPU memory (ComfyUI partial loading; "
+                             f"slower prompt encoding, once per prompt)")
+            g.phases["text encode"] = PhaseMemory(max(te_on_gpu, 0), TEXT_ENCODER_WORKSPACE)
+            g.phases["latent upscale"] = PhaseMemory(
+                sizes.upscaler_bytes, upscale_workspace(pass1, pass2))
+            per_frame = vae_decode_workspace(pass2, 1, DECODE_BYTES_PER_PIXEL)
+            slab = max(1, min(DECODE_SLAB_FRAMES, (usable - sizes.vae_bytes) // per_frame))
+            if slab < DECODE_SLAB_FRAMES:
+                notes.append(f"decode: {slab} frame(s) per VAE tile in time to fit gpu:{index}")
+            g.phases["decode"] = PhaseMemory(
+                sizes.vae_bytes, vae_decode_workspace(pass2, slab, DECODE_BYTES_PER_PIXEL))
+        for name, s in tokens.items():
+            label = "PASS1" if name == "pass1" else "PASS2"
+            if is_root:
+                g.phases[label] = PhaseMemory(dit_weights, act[name].peak_bytes)
+            elif dual.enabled and is_helper:
+                share = dual.split[1 + helpers.index(index)]
+                resident = sizes.vae_bytes + sizes.upscaler_bytes
+                g.phases[label] = PhaseMemory(resident, 0, dual_sage_helper_workspace(s, share))
+        gpus.append(g)
+    return gpus
+
+
+def _step_time(tokens, profile, root, helpers, dual, prefetch, sizes, quantized) -> float:
+    root_gpu = profile.gpus[root]
+    linear = timing.linear_time_s(tokens, root_gpu)
+    if dual.enabled and helpers and tokens >= dual.min_tokens:
+        attention = timing.dual_sage_attention_time_s(
+            tokens, root_gpu, [profile.gpus[h] for h in helpers], profile.link, dual.split,
+            quantized=quantized)
+    else:
+        attention = timing.attention_time_s(tokens, root_gpu, quantized=quantized)
+    block = linear + attention
+    overhead = 0.0
+    if prefetch.streamed_blocks:
+        copy = timing.block_copy_time_s(sizes.dit_block_bytes, profile.link,
+                                        pinned=prefetch.source == "pinned")
+        overhead = prefetch.streamed_blocks * timing.streaming_overhead_s(block, copy)
+    return geometry.BLOCKS * block + overhead
+
+
+def _check_fit(plan: Plan, suggest: bool) -> None:
+    for g in plan.gpus:
+        for phase, mem in g.phases.items():
+            if mem.peak > g.capacity_bytes - g.reserve_bytes:
+                plan.problems.append(
+                    f"gpu:{g.index} {phase} needs {mem.peak / GiB:.1f} GiB of "
+                    f"{(g.capacity_bytes - g.reserve_bytes) / GiB:.1f} GiB usable")
+    if plan.problems and suggest:
+        from .suggest import suggest_fixes
+
+        plan.suggestions.extend(suggest_fixes(plan))

@@ -1,0 +1,47 @@
+"""The smallest change that makes a job fit: a shorter clip, a smaller PASS2 canvas."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from .. import geometry
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+# PASS2 canvases tried when shrinking, largest first (all multiples of 32)
+SMALLER_CANVASES = [(1312, 736), (1280, 704), (1152, 640), (1024, 576), (960, 544), (864, 480)]
+
+
+def suggest_fixes(plan: Plan) -> list[str]:
+    from .plan import plan_job
+
+    request = plan.request
+    out: list[str] = []
+    frames = request.frame_count
+    # 1. shorter clip, same canvas
+    f = frames - geometry.FRAME_STEP
+    while f >= 124:
+        candidate = plan_job(replace(request, frames=f, seconds=None), suggest=False)
+        if candidate.fits:
+            out.append(f"a shorter clip fits: {f} frames ({f / geometry.FPS:.1f} s) at "
+                       f"{request.width}x{request.height}")
+            break
+        f -= geometry.FRAME_STEP
+    # 2. smaller PASS2 canvas, same duration
+    for w, h in SMALLER_CANVASES:
+        if w * h >= request.width * request.height:
+            continue
+        candidate = plan_job(replace(request, width=w, height=h), suggest=False)
+        if candidate.fits:
+            out.append(f"a smaller PASS2 canvas fits: {w}x{h} at {frames} frames")
+            break
+    # 3. more streaming / chunking if the request pinned them
+    if request.resident_blocks is not None and request.resident_blocks > 0:
+        out.append("let the planner choose resident blocks (resident_blocks=None) to stream more")
+    if request.chunking == "off":
+        out.append("allow FFN/QKV chunking (chunking='auto')")
+    if not out:
+        out.append("no smaller job on this hardware fits: use a GPU with more memory")
+    return out

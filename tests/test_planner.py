@@ -1,0 +1,167 @@
+import json
+import struct
+
+import pytest
+
+from h3_multigpu import geometry
+from h3_multigpu.cli import main
+from h3_multigpu.planner import (
+    PROFILES,
+    BlockDims,
+    ChunkSettings,
+    PlanRequest,
+    block_activation_peak,
+    choose_chunks,
+    get_profile,
+    plan_job,
+    read_safetensors_tensor_bytes,
+)
+from h3_multigpu.planner.components import OFFICIAL, dit_sizes_from_file
+
+GiB = 2**30
+
+
+def test_profiles_exist():
+    for name in ("2xR9700", "2x3060", "2x5060Ti", "2xV100", "2xH200", "1x5090"):
+        assert get_profile(name).name == name
+    assert get_profile("2xr9700").name == "2xR9700"
+    with pytest.raises(ValueError, match="unknown hardware profile 'nope'.*2xR9700"):
+        get_profile("nope")
+
+
+def test_user_case_15s_on_2xR9700_fits_with_chunking():
+    plan = plan_job(PlanRequest(width=1312, height=736, seconds=15, profile="2xR9700"))
+    assert plan.fits
+    assert plan.tokens == 102_107
+    assert plan.root_device == 1 and plan.helper_devices == [0]
+    assert plan.placement["text_encoder"] == 0 and plan.placement["dit"] == 1
+    assert plan.chunking.ffn_chunk > 0 and plan.chunking.qkv_chunk > 0
+    root = plan.gpus[1]
+    assert root.peak_bytes <= root.capacity_bytes - root.reserve_bytes
+    assert plan.dual_sage.enabled and plan.dual_sage.split == (28, 28)
+    assert plan.dual_sage.transport == "host"  # R9700 pair has no peer access
+
+
+def test_user_case_without_chunking_does_not_fit_and_suggests():
+    # the user's crash: 15 s PASS2 with the LoRA on activations, unchunked
+    plan = plan_job(PlanRequest(width=1312, height=736, seconds=15, profile="2xR9700",
+                                chunking="off", resident_blocks=50))
+    assert not plan.fits
+    assert any("PASS2" in p for p in plan.problems)
+    assert plan.suggestions and "fits" in " ".join(plan.suggestions)
+
+
+def test_small_cards_stream_blocks():
+    plan = plan_job(PlanRequest(width=1312, height=736, seconds=10, profile="2x5060Ti"))
+    assert plan.fits
+    assert plan.prefetch.streamed_blocks > 0
+    assert plan.prefetch.resident_blocks + plan.prefetch.streamed_blocks == 50
+
+
+def test_single_gpu_profile_has_no_dual_sage():
+    plan = plan_job(PlanRequest(seconds=5, profile="1x5090"))
+    assert not plan.dual_sage.enabled
+    assert plan.root_device == 0 and plan.helper_devices == []
+    assert set(plan.placement.values()) == {0}
+
+
+def test_dual_sage_helps_more_on_longer_sequences():
+    p = plan_job(PlanRequest(seconds=15, profile="2xH200"))
+    s = p.single_gpu_step_time_s
+    t = p.step_time_s
+    assert s["pass2"] / t["pass2"] > s["pass1"] / t["pass1"] > 1.0
+
+
+def test_activation_model_unchunked_per_token():
+    peak = block_activation_peak(1000, BlockDims())
+    # x + h + fc1 + silu + product (the twin's SwiGLU) per token, bf16
+    assert peak.mlp_bytes == 1000 * (2 * 10_752 + 57_344 + 2 * 28_672)
+    assert peak.attention_bytes == 1000 * (2 * 10_752 + 43_008 + 14_336)
+    lora = block_activation_peak(1000, BlockDims(), lora_on_activations=True)
+    assert lora.attention_bytes == 1000 * (2 * 10_752 + 2 * 43_008)  # the LoRA's extra [S, 3I]
+
+
+def test_chunking_lowers_peak_and_choose_chunks_respects_budget():
+    tokens = 102_107
+    plain = block_activation_peak(tokens, lora_on_activations=True).peak_bytes
+    chunks = choose_chunks(int(7.5 * GiB), tokens, lora_on_activations=True)
+    chunked = block_activation_peak(tokens, BlockDims(), chunks,
+                                    lora_on_activations=True).peak_bytes
+    assert chunks.ffn_chunk and chunked < plain and chunked <= 7.5 * GiB
+    assert choose_chunks(plain, tokens, lora_on_activations=True) == ChunkSettings()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(width=1296, height=720), "use 1312x736"),
+    (dict(frames=125, seconds=None), "17k\\+5"),
+    (dict(profile="3xFoo"), "unknown hardware profile"),
+    (dict(dual_sage="maybe"), "dual_sage='maybe'"),
+    (dict(resident_blocks=51), "resident_blocks=51"),
+    (dict(dit_dtype="fp4"), "dit_dtype 'fp4'"),
+])
+def test_bad_requests(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_job(PlanRequest(**kwargs))
+
+
+def _write_safetensors(path, tensors: dict[str, tuple[str, list[int]]]):
+    header, offset = {}, 0
+    sizes = {"BF16": 2, "I8": 1, "F32": 4}
+    for name, (dtype, shape) in tensors.items():
+        n = sizes[dtype]
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+
+
+def test_sizes_from_safetensors_header(tmp_path):
+    f = tmp_path / "dit.safetensors"
+    _write_safetensors(f, {
+        "blocks.0.attn.qkv_proj.weight": ("I8", [30, 10]),
+        "blocks.0.attn.qkv_proj.weight_scale": ("F32", [30]),
+        "blocks.1.mlp.fc1.weight": ("BF16", [20, 10]),
+        "token_refiner.blocks.0.mlp.fc1.weight": ("BF16", [100, 10]),
+        "final_layer.video_out.weight": ("F32", [4, 10]),
+    })
+    sizes = read_safetensors_tensor_bytes(f)
+    assert sizes["blocks.0.attn.qkv_proj.weight"] == 300
+    dit = dit_sizes_from_file(f, OFFICIAL)
+    assert dit.dit_block_bytes == 420 and dit.dit_bytes == 300 + 120 + 400 + 2000 + 160
+    with pytest.raises(ValueError, match="does not exist"):
+        read_safetensors_tensor_bytes(tmp_path / "missing.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        read_safetensors_tensor_bytes(bad)
+
+
+def test_cli_plan_json(capsys):
+    rc = main(["plan", "--profile", "2xR9700", "--width", "1312", "--height", "736",
+               "--seconds", "15", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] is True and out["tokens"] == 102_107
+    roles = {g["role"] for g in out["gpus"]}
+    assert roles == {"root", "helper"}
+    for g in out["gpus"]:
+        assert {"index", "role", "capacity_bytes", "peak_bytes"} <= set(g)
+        assert g["peak_bytes"] <= g["capacity_bytes"]
+
+
+def test_cli_plan_text_and_errors(capsys):
+    assert main(["plan", "--profile", "2x3060", "--seconds", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "gpu:1" in text and "decisions:" in text and "FITS" in text
+    assert main(["plan", "--profile", "2xR9700", "--width", "1296", "--height", "720"]) == 2
+    assert "use 1312x736" in capsys.readouterr().err
+    assert main(["profiles"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in PROFILES)
+
+
+def test_geometry_and_planner_agree_on_tokens():
+    plan = plan_job(PlanRequest(width=864, height=480, seconds=10, profile="2xH200",
+                                pass1_width=864, pass1_height=480))
+    assert plan.tokens == geometry.video_audio_tokens(864, 480, 243)
