@@ -20,7 +20,7 @@ import time
 import torch
 
 from h3_multigpu import geometry
-from h3_multigpu.planner import BlockDims, block_activation_peak, bf16_sizes
+from h3_multigpu.planner import BlockDims, bf16_sizes, block_activation_peak
 from h3_multigpu.twin import TwinConfig, make_inputs, make_twin
 
 CASES = [("PASS1", 864, 480, 243), ("PASS2", 1312, 736, 124), ("PASS2", 1312, 736, 243)]

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 

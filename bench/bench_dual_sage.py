@@ -1,0 +1,255 @@
+"""Dual-Sage benchmark: one attention call and one full twin denoising step, one GPU vs two.
+
+Run on a machine with two GPUs (root cuda:1 as in production, helper cuda:0):
+    python bench/bench_dual_sage.py --out $OUT/dual_sage.json
+Every ratio is against the single-GPU run of the same backend in the same process. Attention
+inputs are H3's strided `[1, 56, S, 128]` views of a `[S, 21504]` bf16 qkv buffer.
+`--dry-run` runs every code path on the CPU with tiny sizes (fake devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from h3_multigpu import geometry
+from h3_multigpu.dual_sage import (
+    DualSageConfig,
+    ShardedAttention,
+    ShardPlan,
+    TransportMode,
+    apply_dual_sage,
+)
+from h3_multigpu.kernels import attention, get_backend, list_backends
+from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
+from h3_multigpu.twin.rope import axis_inverse_frequencies
+
+GIB = 1 << 30
+SIZES = (15_399, 35_305, 68_706, 102_107)
+
+
+def sync(*devices: torch.device) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def timed_ms(fn, devices, reps: int) -> tuple[float, object]:
+    """Median wall time of `reps` calls after one warm-up, both GPUs synchronised around each."""
+    out = fn()
+    times = []
+    for _ in range(reps):
+        sync(*devices)
+        start = time.perf_counter()
+        out = fn()
+        sync(*devices)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), out
+
+
+def strided_qkv(seq_len, heads, head_dim, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(seq_len, 3 * heads * head_dim, generator=gen, device=device, dtype=dtype)
+    return tuple(t.view(seq_len, heads, head_dim).transpose(0, 1).unsqueeze(0)
+                 for t in qkv.split(heads * head_dim, dim=-1))
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def bench_attention(args, root, helper, heads, head_dim, dtype, sizes) -> list[dict]:
+    rows = []
+    backends = ["sdpa"]
+    ck = {r.name: r for r in list_backends()}.get("ck_int8")
+    if ck is not None and ck.available and root.type == "cuda":
+        backends.append("ck_int8")
+    for seq_len in sizes:
+        views = strided_qkv(seq_len, heads, head_dim, dtype, root)
+        for backend in backends:
+            if get_backend(backend).violations(*views):
+                continue
+            reps = args.reps if seq_len < 60_000 else max(3, args.reps - 2)
+            single_ms, single = timed_ms(
+                lambda b=backend, t=views: attention(*t, backend=b, output="BSF"), (root,), reps)
+            transports = [TransportMode.PEER, TransportMode.HOST] if backend == "sdpa" \
+                else [TransportMode.PEER]
+            for transport in transports:
+                shard = ShardedAttention(ShardPlan((root, helper), (heads // 2, heads // 2)),
+                                         backend=backend, transport=transport, min_tokens=0)
+                shard(*views)  # allocates the workspace (and pinned slots) once
+                reset_peak(helper)
+                split_ms, out = timed_ms(lambda s=shard, t=views: s(*t), (root, helper),
+                                         reps)
+                row = dict(S=seq_len, backend=backend, transport=transport.value,
+                           single_ms=round(single_ms, 2), split_ms=round(split_ms, 2),
+                           speedup=round(single_ms / split_ms, 3),
+                           bit_identical=bool(torch.equal(out, single)),
+                           max_abs_diff=float((out.float() - single.float()).abs().max()),
+                           rel_l2_vs_single=float((out.float() - single.float()).norm()
+                                                  / single.float().norm()),
+                           route=shard.last_route, helper_peak_GiB=peak_gib(helper))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del shard, out
+                gc.collect()
+            del single
+        del views
+        if root.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+@torch.no_grad()
+def fast_randomize_(model, seed: int = 0):
+    """The twin's weight recipe (norms 1, linears N(0, 1/fan_in), AdaLN x0.1) drawn on the GPU.
+
+    `randomize_` draws on the CPU so values do not depend on the device; for a 19 B-parameter
+    benchmark model that takes minutes, and the values only need to be plausible and the same
+    for both runs (one model serves both).
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+            continue
+        fan_in = p.shape[-1] if p.ndim > 1 else 1
+        std = (1.0 / fan_in) ** 0.5 if p.ndim > 1 else 0.02
+        if "adaln_proj" in name:
+            std *= 0.1
+        p.normal_(0.0, std, generator=gen)
+    model.adaln_t_table.normal_(generator=gen)
+    model.rope.inv_freq.copy_(axis_inverse_frequencies(model.cfg.rope_freqs_per_axis)
+                              .to(device))
+    return model
+
+
+def bench_step(args, root, helper) -> dict:
+    """One denoising step (forward of the whole DiT), plain vs Dual-Sage on the same model."""
+    if args.dry_run:
+        cfg = TwinConfig.tiny()
+        model = make_twin(cfg, device=root)
+        dims = dict(latent_t=5, latent_h=8, latent_w=10, audio_t=40, text_len=16)
+        dtype = torch.float32
+    else:
+        cfg = TwinConfig.full(blocks=args.step_blocks)
+        model = make_twin(cfg, dtype=torch.bfloat16, device="meta")
+        model = model.to_empty(device=root)
+        fast_randomize_(model)
+        frames = 243
+        lat = geometry.latent_shape(1312, 736, frames)
+        dims = dict(latent_t=lat[2], latent_h=lat[3], latent_w=lat[4],
+                    audio_t=geometry.audio_latent_steps(frames), text_len=args.text_len)
+        dtype = torch.bfloat16
+    inputs = make_inputs(cfg, dtype=dtype, device=root, **dims)
+    small = make_inputs(cfg, dtype=dtype, device=root, latent_t=2, latent_h=8, latent_w=8,
+                        audio_t=4, text_len=16)
+    plain = TwinPatcher(model, load_device=root)
+    helpers = ("cpu",) if root.type == "cpu" else (str(helper),)
+    dual = apply_dual_sage(plain, DualSageConfig(helpers=helpers, backend="sdpa",
+                                                 min_tokens=0 if args.dry_run else None))
+    results = {}
+    outputs = {}
+    for name, patcher in (("single", plain), ("dual_sage", dual)):
+        patcher.apply_model(*small)  # kernels and handles warm, without the big allocations
+        times = []
+        for _ in range(args.step_reps):
+            sync(root, helper)
+            start = time.perf_counter()
+            outputs[name] = patcher.apply_model(*inputs)
+            sync(root, helper)
+            times.append((time.perf_counter() - start) * 1e3)
+        results[name] = statistics.median(times)
+    seq = inputs[0][0].shape[2] * inputs[0][0].shape[3] * inputs[0][0].shape[4] // 4
+    seq += 2 * inputs[0][1].shape[-1]
+    identical = all(torch.equal(a, b) for a, b in zip(outputs["single"], outputs["dual_sage"],
+                                                      strict=True))
+    status = dual.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
+    row = dict(blocks=cfg.blocks, tokens_video_audio=seq, text_len=dims["text_len"],
+               single_ms=round(results["single"], 1), dual_sage_ms=round(results["dual_sage"], 1),
+               speedup=round(results["single"] / results["dual_sage"], 3),
+               bit_identical=identical, status=status)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def table(rows: list[dict], step: dict | None) -> str:
+    lines = ["| S | backend | transport | single ms | split ms | speedup | exact | helper GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gib = "-" if r["helper_peak_GiB"] is None else f"{r['helper_peak_GiB']:.2f}"
+        lines.append(f"| {r['S']:,} | {r['backend']} | {r['transport']} | {r['single_ms']} | "
+                     f"{r['split_ms']} | {r['speedup']:.2f}x | {r['bit_identical']} | {gib} |")
+    if step:
+        lines.append(f"\nstep ({step['blocks']} blocks, S={step['tokens_video_audio']:,}+"
+                     f"{step['text_len']} text): single {step['single_ms']} ms, Dual-Sage "
+                     f"{step['dual_sage_ms']} ms, {step['speedup']:.2f}x, bit-identical "
+                     f"{step['bit_identical']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("dual_sage.json"))
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, fake devices")
+    parser.add_argument("--sizes", type=str, default=",".join(map(str, SIZES)))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--step-blocks", type=int, default=50)
+    parser.add_argument("--step-reps", type=int, default=1)
+    parser.add_argument("--text-len", type=int, default=256)
+    parser.add_argument("--skip-step", action="store_true")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    if args.dry_run:
+        root = helper = torch.device("cpu")
+        heads, head_dim, dtype, sizes = 8, 16, torch.float32, (300, 517)
+    else:
+        if torch.cuda.device_count() < 2:
+            print("needs two GPUs (root cuda:1, helper cuda:0); use --dry-run on a CPU")
+            return 2
+        root, helper = torch.device("cuda", 1), torch.device("cuda", 0)
+        heads, head_dim, dtype = 56, 128, torch.bfloat16
+        sizes = tuple(int(s) for s in args.sizes.split(","))
+    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  command=" ".join(sys.argv), torch=torch.__version__,
+                  devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                  if root.type == "cuda" else ["cpu"],
+                  peer=bool(root.type == "cuda" and torch.cuda.can_device_access_peer(root,
+                                                                                      helper)),
+                  root=str(root), helper=str(helper))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        if root.type == "cuda":  # the DiT runs with its root GPU current, as in production
+            stack.enter_context(torch.cuda.device(root))
+        rows = bench_attention(args, root, helper, heads, head_dim, dtype, sizes)
+        report["attention"] = rows
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        step = None
+        if not args.skip_step:
+            step = bench_step(args, root, helper)
+            report["step"] = step
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(table(rows, step))
+    print(f"wall {report['wall_s']} s; json {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

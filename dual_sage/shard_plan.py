@@ -1,0 +1,160 @@
+"""Which heads go where: a declarative shard plan over the root and its helper GPUs.
+
+`ShardPlan.devices[0]` is the root (the GPU running the DiT, where q, k, v live); the others are
+helpers. Heads are contiguous ranges in device order. The plan is written for the model's head
+count (56 for H3) and rescaled, with the same weights, when a call carries fewer heads (a
+head-group call from activation chunking): then a device may get zero heads for that call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def _split_by_weights(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """Largest-remainder rounding of `total` in proportion to `weights` (sums to `total`)."""
+    weight_sum = float(sum(weights))
+    exact = [total * w / weight_sum for w in weights]
+    counts = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], -i), reverse=True)
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def parse_split(text: str, heads: int, devices: int) -> tuple[int, ...]:
+    """Head counts from "auto" (equal), a count split "28:28" or relative throughputs "1.0:0.7".
+
+    A split of integers that sums to `heads` is taken as head counts; any other list of
+    positive numbers is a throughput ratio and is rounded to head counts.
+    """
+    text = text.strip().lower()
+    if text in ("auto", ""):
+        return split_weighted(heads, [1.0] * devices)
+    parts = [p.strip() for p in text.replace(",", ":").split(":")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"head split {text!r} is not a list of numbers; write it like "
+                         f"'{heads // devices}:{heads - heads // devices}' or 'auto'") from None
+    if len(values) != devices:
+        raise ValueError(f"head split {text!r} has {len(values)} entries for {devices} devices "
+                         f"(root first, then each helper); give one entry per device")
+    if any(v <= 0 for v in values):
+        raise ValueError(f"head split {text!r} gives a device no heads; every device needs at "
+                         "least one head (drop the device from the helpers instead)")
+    if all(v.is_integer() for v in values) and sum(values) != heads and \
+            all(p.isdigit() for p in parts):
+        raise ValueError(f"head split {text!r} sums to {int(sum(values))} but the model has "
+                         f"{heads} heads; make the counts sum to {heads} or use 'auto'")
+    if all(p.isdigit() for p in parts):
+        return tuple(int(v) for v in values)
+    return split_weighted(heads, values)
+
+
+def split_weighted(heads: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """Head counts proportional to device throughputs, each device at least one head."""
+    if len(weights) > heads:
+        raise ValueError(f"{len(weights)} devices for {heads} heads: every device needs at "
+                         "least one head; use fewer helpers")
+    counts = list(_split_by_weights(heads, weights))
+    for i, c in enumerate(counts):  # take from the largest share so no device is left at zero
+        if c == 0:
+            donor = max(range(len(counts)), key=lambda j: counts[j])
+            counts[donor] -= 1
+            counts[i] = 1
+    return tuple(counts)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Head counts per device; `devices[0]` is the root."""
+
+    devices: tuple[torch.device, ...]
+    head_counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.devices) != len(self.head_counts):
+            raise ValueError(f"shard plan has {len(self.devices)} devices but "
+                             f"{len(self.head_counts)} head counts; give one count per device")
+        if len(self.devices) < 2:
+            raise ValueError("a shard plan needs the root and at least one helper device")
+        if any(c <= 0 for c in self.head_counts):
+            raise ValueError(f"head split {self.head_counts} gives a device no heads; every "
+                             "device needs at least one head")
+        real = [d for d in self.devices if d.type != "cpu"]
+        if len(set(real)) != len(real):
+            raise ValueError(f"shard plan lists a GPU twice: {[str(d) for d in self.devices]}; "
+                             "helpers must differ from the root and from each other")
+
+    @property
+    def heads(self) -> int:
+        return sum(self.head_counts)
+
+    @property
+    def root(self) -> torch.device:
+        return self.devices[0]
+
+    @property
+    def helpers(self) -> tuple[torch.device, ...]:
+        return self.devices[1:]
+
+    def counts_for(self, heads: int) -> tuple[int, ...]:
+        """Per-device head counts for a call with `heads` heads (zeros allowed)."""
+        if heads == self.heads:
+            return self.head_counts
+        return _split_by_weights(heads, self.head_counts)
+
+    def ranges_for(self, heads: int) -> tuple[tuple[int, int], ...]:
+        """Per-device [start, stop) head ranges for a call with `heads` heads."""
+        out, start = [], 0
+        for count in self.counts_for(heads):
+            out.append((start, start + count))
+            start += count
+        return tuple(out)
+
+    def describe(self) -> str:
+        return " + ".join(f"{c}@{d}" for d, c in zip(self.devices, self.head_counts, strict=True))
+
+
+def parse_devices(text: str) -> tuple[torch.device, ...] | None:
+    """"auto" -> None (every other visible GPU); "gpu:0,cuda:2,3" -> (cuda:0, cuda:2, cuda:3)."""
+    text = text.strip().lower()
+    if text in ("auto", ""):
+        return None
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name = part.replace("gpu:", "cuda:")
+        if name.isdigit():
+            name = f"cuda:{name}"
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"helper device {part!r} is not a device; write 'gpu:0' or 'cuda:0' "
+                             "(or 'auto')") from None
+        if device.type == "cuda" and device.index is None:
+            raise ValueError(f"helper device {part!r} needs an index, e.g. 'gpu:0'")
+        out.append(device)
+    return tuple(out)
+
+
+def validate_devices(root: torch.device, helpers: Sequence[torch.device]) -> None:
+    """ValueError for an unknown GPU or a helper equal to the root ("cpu" only in CPU tests)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for device in helpers:
+        if device.type == "cpu":
+            if root.type != "cpu":
+                raise ValueError(f"helper device {device} is the CPU; Dual-Sage helpers must be "
+                                 "GPUs (the CPU stands in for GPUs only in tests)")
+            continue
+        if device.type != "cuda":
+            raise ValueError(f"helper device {device} is not a CUDA/ROCm GPU; use 'gpu:N'")
+        if device.index >= count:
+            raise ValueError(f"helper device {device} does not exist: this machine has {count} "
+                             f"GPU(s) (gpu:0..gpu:{max(count - 1, 0)})")
+        if root.type == "cuda" and device.index == (root.index or 0):
+            raise ValueError(f"helper device {device} is the root GPU running the model; pick "
+                             "another GPU as helper")

@@ -1,0 +1,119 @@
+"""Dual-Sage sizing and time model for the planner. Pure Python: no torch import.
+
+All sizes in bytes, times in milliseconds, links in GB/s (1e9 bytes/s), compute in TFLOP/s.
+The sharded call moves, per helper with `h` heads: q, k, v of those heads to the helper
+(3*h*S*D elements) and their output back (h*S*D). The helper holds a ring of `ring_slots`
+chunk buffers of `chunk_heads` heads each (q|k|v, the output overwrites q), plus one backend
+output for a chunk; the root holds a contiguous send buffer and a receive buffer per helper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+DEFAULT_CHUNK_HEADS = 4
+DEFAULT_RING_SLOTS = 3
+HOST_RELAY_SLOTS = 2
+# launch and event overhead of one sharded call (python + ~10 ops per chunk), measured order
+CALL_OVERHEAD_MS = 0.35
+# the split must beat one GPU by this factor before it is switched on
+MIN_TOKENS_MARGIN = 1.10
+
+
+def attention_flops(seq_len: int, heads: int, head_dim: int) -> float:
+    """Non-causal attention: QK^T and PV, 2 flops per multiply-add: 4 * S^2 * D * H."""
+    return 4.0 * seq_len * seq_len * head_dim * heads
+
+
+def helper_workspace_bytes(seq_len: int, helper_heads: int, head_dim: int, *,
+                           chunk_heads: int = DEFAULT_CHUNK_HEADS,
+                           ring_slots: int = DEFAULT_RING_SLOTS, element_bytes: int = 2) -> int:
+    """Helper-GPU memory of one sharded call: the chunk ring plus one chunk's backend output."""
+    heads = min(chunk_heads, helper_heads)
+    slots = min(ring_slots, -(-helper_heads // heads))
+    chunk_elems = heads * seq_len * head_dim
+    lse_bytes = heads * seq_len * 4  # the backend's fp32 log-sum-exp rows
+    return (slots * 3 * chunk_elems + chunk_elems) * element_bytes + lse_bytes
+
+
+def root_extra_bytes(seq_len: int, helper_heads: int, head_dim: int, *,
+                     element_bytes: int = 2) -> int:
+    """Root-GPU memory on top of the plain call: contiguous send (q|k|v) and receive buffers."""
+    return 4 * helper_heads * seq_len * head_dim * element_bytes
+
+
+def pinned_host_bytes(seq_len: int, helper_heads: int, head_dim: int, *,
+                      chunk_heads: int = DEFAULT_CHUNK_HEADS, element_bytes: int = 2) -> int:
+    """Pinned host memory of the host relay per helper: two send and two return slots."""
+    heads = min(chunk_heads, helper_heads)
+    return HOST_RELAY_SLOTS * 4 * heads * seq_len * head_dim * element_bytes
+
+
+def bytes_moved_per_call(seq_len: int, helper_heads: int, head_dim: int, *,
+                         element_bytes: int = 2) -> int:
+    """Bytes crossing the link per call for one helper: q, k, v there, the output back."""
+    return 4 * helper_heads * seq_len * head_dim * element_bytes
+
+
+def single_gpu_ms(seq_len: int, heads: int, head_dim: int, tflops: float) -> float:
+    """Predicted time of the plain call on one GPU."""
+    return attention_flops(seq_len, heads, head_dim) / (tflops * 1e9)
+
+
+def predict_split_ms(seq_len: int, head_dim: int, split: Sequence[int], *,
+                     link_gbps: float, tflops: Sequence[float],
+                     chunk_heads: int = DEFAULT_CHUNK_HEADS, element_bytes: int = 2,
+                     host_relay: bool = False) -> float:
+    """Predicted time of one sharded call. `split[0]`/`tflops[0]` are the root's.
+
+    The root attends its heads while each helper receives chunk by chunk: a helper finishes one
+    chunk's transfer latency after the first chunk starts, plus its attention (transfers overlap
+    with it), plus the last chunk's return. A host relay crosses the host twice (two hops).
+    """
+    if len(split) != len(tflops):
+        raise ValueError(f"split {tuple(split)} and tflops {tuple(tflops)} need one entry per "
+                         "device")
+    hops = 2 if host_relay else 1
+    root_ms = attention_flops(seq_len, split[0], head_dim) / (tflops[0] * 1e9)
+    finish = root_ms
+    for heads, rate in zip(split[1:], tflops[1:], strict=True):
+        if heads == 0:
+            continue
+        chunk = min(chunk_heads, heads)
+        chunk_in_ms = hops * 3 * chunk * seq_len * head_dim * element_bytes / (link_gbps * 1e6)
+        chunk_out_ms = chunk_in_ms / 3
+        total_in_ms = hops * 3 * heads * seq_len * head_dim * element_bytes / (link_gbps * 1e6)
+        attend_ms = attention_flops(seq_len, heads, head_dim) / (rate * 1e9)
+        helper_ms = chunk_in_ms + max(attend_ms, total_in_ms - chunk_in_ms) + chunk_out_ms
+        finish = max(finish, helper_ms)
+    return finish + CALL_OVERHEAD_MS
+
+
+def choose_min_tokens(head_dim: int, split: Sequence[int], *, link_gbps: float,
+                      tflops: Sequence[float], chunk_heads: int = DEFAULT_CHUNK_HEADS,
+                      element_bytes: int = 2, host_relay: bool = False,
+                      margin: float = MIN_TOKENS_MARGIN, max_tokens: int = 1 << 20) -> int:
+    """Smallest S at which the sharded call beats one GPU by `margin` (max_tokens if never).
+
+    Single-GPU time uses the root's throughput over all heads. Beyond the crossover the split
+    only gets better (attention grows as S^2, transfers as S), so a binary search is enough.
+    """
+    heads = sum(split)
+
+    def pays(s: int) -> bool:
+        single = single_gpu_ms(s, heads, head_dim, tflops[0])
+        split_ms = predict_split_ms(s, head_dim, split, link_gbps=link_gbps, tflops=tflops,
+                                    chunk_heads=chunk_heads, element_bytes=element_bytes,
+                                    host_relay=host_relay)
+        return split_ms * margin <= single
+
+    if not pays(max_tokens):
+        return max_tokens
+    low, high = 1, max_tokens
+    while low < high:
+        mid = (low + high) // 2
+        if pays(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
