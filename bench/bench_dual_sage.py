@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from h3_multigpu import geometry
 from h3_multigpu.dual_sage import (
     DualSageConfig,

@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+
 from h3_multigpu.dual_sage import (
     DualSageConfig,
     ShardedAttention,

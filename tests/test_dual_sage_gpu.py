@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+
 from h3_multigpu.dual_sage import (
     DualSageConfig,
     ShardedAttention,

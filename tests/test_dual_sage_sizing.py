@@ -2,6 +2,7 @@ import ast
 import pathlib
 
 import pytest
+
 from h3_multigpu.dual_sage import sizing
 
 GIB = 1 << 30

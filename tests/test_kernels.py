@@ -4,6 +4,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+
 from h3_multigpu.kernels import (
     AttentionCall,
     attention,
