@@ -1,0 +1,165 @@
+"""Carry a placement out inside ComfyUI, through ComfyUI's own device selection.
+
+Order of preference for MODEL, CLIP and VAE:
+1. core `SelectModelDevice` / `SelectCLIPDevice` / `SelectVAEDevice` (comfy_extras.nodes_multigpu,
+   newest ComfyUI): we call the node's own `execute`, so its rules apply unchanged (fresh
+   weights through `deepclone_multigpu`, compute dtype forced to one the GPU supports,
+   CFG-split clones pruned);
+2. `ModelPatcher.deepclone_multigpu(new_load_device=...)` where the patcher has it;
+3. otherwise (older ComfyUI) a clone whose `load_device` is the target, said so in the status.
+A LATENT_UPSCALE_MODEL has no core device choice: it is a wrapper with a `.patcher` (Hunyuan and
+H3 style) or a ModelPatcher itself (LTX style); both are retargeted with 2./3.
+
+Every function returns (object, note) and never raises for a device that is missing: the
+note says what was asked and where the object stays. Everything ComfyUI is imported lazily.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+from typing import Any
+
+from .devices import device_option
+
+log = logging.getLogger("h3_multigpu")
+
+
+def torch_device(index: int):
+    """ComfyUI's torch.device for gpu:index (cuda:index on CUDA and ROCm)."""
+    try:
+        import comfy.model_management as mm
+
+        resolve = getattr(mm, "resolve_gpu_device_option", None)
+        if resolve is not None:
+            found = resolve(device_option(index))
+            if found is not None:
+                return found
+    except ImportError:
+        pass
+    import torch
+
+    return torch.device("cuda", index)
+
+
+def _core_node(name: str):
+    """A core multi-GPU node class, or None on a ComfyUI without them (or without ComfyUI)."""
+    try:
+        module = importlib.import_module("comfy_extras.nodes_multigpu")
+    except ImportError:
+        return None
+    return getattr(module, name, None)
+
+
+def _first(output: Any) -> Any:
+    """First result of a V3 NodeOutput (or a V1 tuple)."""
+    args = getattr(output, "args", output)
+    return args[0]
+
+
+def _same_device(a, b) -> bool:
+    return a is not None and b is not None and str(a) == str(b)
+
+
+def retarget_patcher(patcher: Any, target) -> tuple[Any, str]:
+    """A patcher whose load device is `target`; the input patcher is left untouched."""
+    if _same_device(getattr(patcher, "load_device", None), target):
+        return patcher.clone(), "already there"
+    deepclone = getattr(patcher, "deepclone_multigpu", None)
+    reason = "this ComfyUI has no deepclone_multigpu"
+    if deepclone is not None:
+        try:
+            return deepclone(new_load_device=target), "deepclone_multigpu"
+        except RuntimeError as exc:  # loaders without a reload factory cannot deepclone
+            reason = f"deepclone_multigpu refused ({exc})"
+    clone = patcher.clone()
+    clone.load_device = target
+    return clone, f"load_device set on a clone ({reason})"
+
+
+def _checked(obj_device, index: int, what: str, how: str) -> str:
+    if _same_device(obj_device, torch_device(index)):
+        return f"{what} -> {device_option(index)} ({how})"
+    return (f"{what}: asked for {device_option(index)} but it stays on {obj_device} ({how}); "
+            f"check the ComfyUI log")
+
+
+def place_model(model: Any, index: int) -> tuple[Any, str]:
+    """The DiT's ModelPatcher on gpu:index."""
+    core = _core_node("SelectModelDeviceNode")
+    if core is not None:
+        placed, how = _first(core.execute(model, device_option(index))), "core Select Model Device"
+    else:
+        placed, how = retarget_patcher(model, torch_device(index))
+    return placed, _checked(getattr(placed, "load_device", None), index, "DiT", how)
+
+
+def place_clip(clip: Any, index: int) -> tuple[Any, str]:
+    """The text encoder (a CLIP wrapper around a patcher) on gpu:index."""
+    core = _core_node("SelectCLIPDeviceNode")
+    if core is not None:
+        placed, how = _first(core.execute(clip, device_option(index))), "core Select CLIP Device"
+    else:
+        placed = clip.clone()
+        placed.patcher, how = retarget_patcher(clip.patcher, torch_device(index))
+    return placed, _checked(placed.patcher.load_device, index, "text encoder", how)
+
+
+def place_vae(vae: Any, index: int, what: str = "video VAE") -> tuple[Any, str]:
+    """A VAE (video or audio) on gpu:index."""
+    core = _core_node("SelectVAEDeviceNode")
+    if core is not None:
+        placed, how = _first(core.execute(vae, device_option(index))), "core Select VAE Device"
+    else:
+        target = torch_device(index)
+        placed = copy.copy(vae)  # VAE has no clone(); never mutate the loader's object
+        placed.patcher, how = retarget_patcher(vae.patcher, target)
+        # The VAE reads `device` for its inputs and `first_stage_model` for its weights.
+        placed.first_stage_model = placed.patcher.model
+        placed.device = target
+    return placed, _checked(placed.patcher.load_device, index, what, how)
+
+
+def place_upscaler(upscaler: Any, index: int) -> tuple[Any, str]:
+    """A LATENT_UPSCALE_MODEL on gpu:index (core has no device choice for it)."""
+    target = torch_device(index)
+    if hasattr(upscaler, "patcher"):
+        placed = copy.copy(upscaler)
+        placed.patcher, how = retarget_patcher(upscaler.patcher, target)
+        # Wrappers move their input to `load_device` (or `device`) before the forward.
+        for attr in ("load_device", "device"):
+            if hasattr(placed, attr):
+                setattr(placed, attr, target)
+        return placed, _checked(placed.patcher.load_device, index, "latent upscaler", how)
+    if hasattr(upscaler, "load_device") and hasattr(upscaler, "clone"):
+        placed, how = retarget_patcher(upscaler, target)
+        return placed, _checked(placed.load_device, index, "latent upscaler", how)
+    return upscaler, (f"latent upscaler: a {type(upscaler).__name__} has no device to set; it "
+                      f"runs where its loader put it")
+
+
+def release_text_encoder(clip: Any) -> str:
+    """Unload the text encoder's weights from its GPU (public model_management calls only).
+
+    Every other loaded model is passed as keep_loaded, so only this encoder leaves; ComfyUI
+    reloads it by itself when a new prompt needs encoding.
+    """
+    try:
+        import comfy.model_management as mm
+    except ImportError:
+        return "text encoder release skipped: ComfyUI's model management is not importable"
+    patcher = clip.patcher
+    loaded = list(getattr(mm, "current_loaded_models", []))
+    mine = [lm for lm in loaded if lm.model is not None
+            and (lm.model is patcher or lm.model.is_clone(patcher))]
+    if not mine:
+        return "text encoder: not resident on a GPU, nothing to release"
+    device = mine[0].device
+    keep = [lm for lm in loaded if lm not in mine]
+    # Asking for more than the card holds makes free_memory unload every model it may touch,
+    # and keep_loaded limits that to the text encoder.
+    wanted = mm.get_total_memory(device) * 2
+    unloaded = mm.free_memory(wanted, device, keep_loaded=keep)
+    mm.soft_empty_cache()
+    return f"text encoder released from {device} ({len(unloaded)} model(s) unloaded)"

@@ -1,0 +1,150 @@
+"""Apply Dual-Sage, chunking and prefetch to a model, from a plan or from node inputs.
+
+Thin glue: the configs and apply functions live in `dual_sage/`, `chunking/`, `offload/`.
+Each is imported when used; a module that is missing or fails to import leaves the model
+unchanged and the returned line says so (never a silent no-op). A config the library
+refuses (ValueError) propagates: the user sees the message on the node.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .inputs import parse_auto_int, parse_bytes
+from .placement import Placement
+from .status import feature_lines
+
+
+class FeatureUnavailable(RuntimeError):
+    """The library module behind a feature is not importable in this install."""
+
+
+def _load(module: str, *names: str) -> tuple[Any, ...]:
+    try:
+        mod = importlib.import_module(f"..{module}", __package__)
+        return tuple(getattr(mod, n) for n in names)
+    except (ImportError, AttributeError) as exc:
+        raise FeatureUnavailable(f"{module} is not available in this install ({exc})") from exc
+
+
+def dual_sage_config(*, helpers: str, split: str, backend: str = "sdpa",
+                     min_tokens: str = "auto"):
+    (config_cls,) = _load("dual_sage", "DualSageConfig")
+    return config_cls.from_strings(helpers=helpers, split=split, backend=backend,
+                                   min_tokens=min_tokens)
+
+
+def chunking_config(*, ffn_chunk: str, qkv_chunk: str = "auto", head_group: str = "auto"):
+    (config_cls,) = _load("chunking", "ChunkingConfig")
+    return config_cls.from_strings(ffn_chunk=ffn_chunk, qkv_chunk=qkv_chunk,
+                                   head_group=head_group)
+
+
+def prefetch_config(*, resident_blocks: str, lookahead: str | int = 2,
+                    pinned_budget: str = "auto"):
+    (config_cls,) = _load("offload", "PrefetchConfig")
+    return config_cls(resident_blocks=parse_auto_int(resident_blocks, "resident_blocks"),
+                      lookahead=int(lookahead),
+                      pinned_budget_bytes=parse_bytes(pinned_budget, "pinned_budget"))
+
+
+CONFIGS = {"dual_sage": dual_sage_config, "chunking": chunking_config,
+           "prefetch": prefetch_config}
+APPLY = {"dual_sage": ("dual_sage", "apply_dual_sage"),
+         "chunking": ("chunking", "apply_activation_chunking"),
+         "prefetch": ("offload", "apply_block_prefetch")}
+
+
+def check_options(feature: str, **options) -> str | None:
+    """validate_inputs helper: the library's own parse of the node's strings (None = fine).
+
+    Inputs that are still links arrive as None and are left to run time.
+    """
+    if any(v is None for v in options.values()):
+        return None
+    try:
+        CONFIGS[feature](**options)
+    except ValueError as exc:
+        return str(exc)
+    except FeatureUnavailable:
+        return None  # said at run time, on the status output
+    return None
+
+
+def apply_feature(model: Any, feature: str, config: Any) -> Any:
+    module, name = APPLY[feature]
+    (apply,) = _load(module, name)
+    return apply(model, config)
+
+
+def apply_from_strings(model: Any, feature: str, **options) -> Any:
+    return apply_feature(model, feature, CONFIGS[feature](**options))
+
+
+def _plan_config(feature: str, plan: Any, options: dict[str, str]) -> Any:
+    """The plan's settings as the library's config (its from_plan where it has one)."""
+    module = {"chunking": ("chunking", "ChunkingConfig"),
+              "prefetch": ("offload", "PrefetchConfig")}.get(feature)
+    if module is not None:
+        (config_cls,) = _load(*module)
+        if hasattr(config_cls, "from_plan"):
+            return config_cls.from_plan(getattr(plan, feature))
+    return CONFIGS[feature](**options)
+
+
+def plan_feature_strings(plan: Any) -> dict[str, dict[str, str] | str]:
+    """What the plan asks of each feature, as the strings the configs parse.
+
+    A feature the plan leaves off maps to the reason (a str) instead of its options.
+    """
+    out: dict[str, dict[str, str] | str] = {}
+    dual = plan.dual_sage
+    if dual.enabled:
+        out["dual_sage"] = {
+            "helpers": ",".join(f"gpu:{i}" for i in dual.helper_devices),
+            "split": ":".join(str(h) for h in dual.split),
+            "backend": "sdpa",  # exact by default; faster backends are opt-in on the node
+            "min_tokens": str(dual.min_tokens),
+        }
+    else:
+        out["dual_sage"] = f"off: {dual.reason}"
+    chunks = plan.chunking
+    if chunks.ffn_chunk or chunks.qkv_chunk or chunks.head_group:
+        out["chunking"] = {"ffn_chunk": str(chunks.ffn_chunk), "qkv_chunk": str(chunks.qkv_chunk),
+                           "head_group": str(chunks.head_group)}
+    else:
+        out["chunking"] = f"off: {chunks.reason}"
+    pre = plan.prefetch
+    if pre.streamed_blocks:
+        out["prefetch"] = {"resident_blocks": str(pre.resident_blocks),
+                           "lookahead": str(pre.lookahead),
+                           "pinned_budget": str(pre.pinned_budget_bytes)}
+    else:
+        out["prefetch"] = f"off: {pre.reason}"
+    return out
+
+
+def apply_plan(model: Any, plan: Any, placement: Placement,
+               disabled: tuple[str, ...] = ()) -> tuple[Any, dict[str, str]]:
+    """Apply every feature the plan enables; return the model and one line per feature."""
+    lines: dict[str, str] = {}
+    wanted = plan_feature_strings(plan)
+    if not placement.multi_gpu and isinstance(wanted.get("dual_sage"), dict):
+        wanted["dual_sage"] = "off: only one GPU is in use here"
+    for name, options in wanted.items():
+        if name in disabled:
+            lines[name] = "off: switched off on the node"
+        elif isinstance(options, str):
+            lines[name] = options
+        else:
+            try:
+                model = apply_feature(model, name, _plan_config(name, plan, options))
+                lines[name] = "applied (the library recorded no status line)"
+            except FeatureUnavailable as exc:
+                lines[name] = f"NOT ACTIVE: {exc}"
+    recorded = feature_lines(getattr(model, "model_options", None))
+    for name, line in recorded.items():
+        if name not in lines or lines[name].startswith("applied"):
+            lines[name] = line  # the library's own words win for what it applied
+    return model, lines

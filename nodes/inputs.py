@@ -1,0 +1,142 @@
+"""Node input parsing and validation, as plain functions (tested on CPU).
+
+Each `check_*` returns None when the inputs are good, else one message that names the bad
+value and the fix; the V3 nodes return it from `validate_inputs`, so ComfyUI shows it on the
+node before anything loads. Each `parse_*` turns a widget string into the value the library
+wants, raising ValueError with the same kind of message.
+"""
+
+from __future__ import annotations
+
+from .. import geometry
+
+AUTO = "auto"
+DURATION_CHOICES = (5, 10, 12, 15)  # seconds the model was trained around (124..362 frames)
+
+
+def check_canvas(width: int, height: int, label: str) -> str | None:
+    try:
+        geometry.validate_canvas(width, height)
+    except ValueError as exc:
+        return f"{label}: {exc}"
+    return None
+
+
+def check_two_pass(pass1_width: int, pass1_height: int, pass2_width: int, pass2_height: int
+                   ) -> str | None:
+    """Both canvases valid for H3 and PASS2 no smaller than PASS1 in either side."""
+    for message in (check_canvas(pass1_width, pass1_height, "PASS1"),
+                    check_canvas(pass2_width, pass2_height, "PASS2")):
+        if message:
+            return message
+    if pass2_width < pass1_width or pass2_height < pass1_height:
+        return (f"PASS2 {pass2_width}x{pass2_height} is smaller than PASS1 "
+                f"{pass1_width}x{pass1_height}; PASS2 refines the upscaled PASS1 result, so give "
+                f"it the larger canvas (e.g. 864x480 -> 1312x736)")
+    return None
+
+
+def check_seconds(seconds: float) -> str | None:
+    try:
+        geometry.snap_frames(seconds)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def seconds_to_frames(seconds: float) -> tuple[int, float]:
+    """Seconds -> (frames on the 17k+5 grid, the clip's real length in seconds)."""
+    frames = geometry.snap_frames(seconds)
+    return frames, frames / geometry.FPS
+
+
+def frames_for_latent(latent_t: int) -> int:
+    """Latent frames T -> pixel frames F (the inverse of geometry.latent_frames)."""
+    if latent_t < 2 or (latent_t - 2) % 5:
+        raise ValueError(f"{latent_t} latent frames is not an H3 video latent (T = 2 + 5k)")
+    frames = geometry.MIN_FRAMES + (latent_t - 2) // 5 * geometry.FRAME_STEP
+    assert geometry.latent_frames(frames) == latent_t
+    return frames
+
+
+def check_profile(devices: str, profiles: list[str]) -> str | None:
+    if devices == AUTO or devices in profiles:
+        return None
+    return (f"devices {devices!r} is not a known hardware profile; use 'auto' (this machine's "
+            f"GPUs) or one of {', '.join(profiles)}")
+
+
+def parse_auto_int(text: str | int, name: str, minimum: int = 0) -> int | str:
+    """'auto' -> 'auto'; '12' or 12 -> 12 (>= minimum); anything else raises ValueError."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        stripped = str(text).strip().lower()
+        if stripped in (AUTO, ""):
+            return AUTO
+        try:
+            value = int(stripped)
+        except ValueError:
+            raise ValueError(f"{name}={text!r} is not 'auto' or a whole number") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum} (or 'auto')")
+    return value
+
+
+def check_auto_int(text: str, name: str, minimum: int = 0) -> str | None:
+    try:
+        parse_auto_int(text, name, minimum)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, name: str) -> int | None:
+    """'auto' -> None; '24GiB', '24 GB', '1.5gib' or a byte count -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        stripped = str(text).strip().lower().replace(" ", "")
+        if stripped in (AUTO, ""):
+            return None
+        digits = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = stripped[len(digits):]
+        try:
+            value = float(digits)
+        except ValueError:
+            value = -1.0
+        if unit not in _UNITS:
+            value = -1.0
+    if value < 0:
+        raise ValueError(f"{name}={text!r} is not 'auto' or a size such as '24GiB'")
+    return int(value * _UNITS[unit])
+
+
+def parse_split(text: str) -> tuple[int, ...] | str:
+    """'auto' or '28:28' (heads per GPU, root first) -> tuple; must sum to H3's 56 heads."""
+    stripped = str(text).strip().lower()
+    if stripped in (AUTO, ""):
+        return AUTO
+    try:
+        parts = tuple(int(p) for p in stripped.replace(",", ":").split(":"))
+    except ValueError:
+        raise ValueError(f"split {text!r} is not 'auto' or heads per GPU like '28:28'") from None
+    if len(parts) < 2 or any(p <= 0 for p in parts):
+        raise ValueError(f"split {text!r} needs two or more positive head counts, root first "
+                         f"(e.g. '28:28')")
+    if sum(parts) != geometry.HEADS:
+        raise ValueError(f"split {text!r} gives {sum(parts)} heads; H3 has {geometry.HEADS} "
+                         f"(e.g. '28:28' or '32:24')")
+    return parts
+
+
+def first_message(*messages: str | None) -> str | bool:
+    """validate_inputs' answer: the first message, or True when all passed."""
+    for message in messages:
+        if message:
+            return message
+    return True

@@ -1,0 +1,79 @@
+"""The status text our nodes show: what is active, on which GPU, and the predicted peak.
+
+Pure functions over the plan, the placement and the feature status lines that each
+`apply_<feature>` records in `model_options["transformer_options"]["h3_multigpu"][feature]`.
+A feature that is not active is named as such with its reason, never left out: a silent no-op
+is the complaint this text exists to answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .devices import GiB
+from .placement import Placement
+
+STATUS_KEY = "h3_multigpu"  # transformer_options key every apply_* writes its line under
+FEATURES = ("dual_sage", "chunking", "prefetch", "attention")
+
+
+def feature_lines(model_options: dict[str, Any] | None) -> dict[str, str]:
+    """{feature: status line} recorded on a patched model (empty when none)."""
+    if not model_options:
+        return {}
+    recorded = model_options.get("transformer_options", {}).get(STATUS_KEY, {})
+    return {name: str(text) for name, text in recorded.items()}
+
+
+def record(model_options: dict[str, Any], feature: str, line: str) -> None:
+    """Write a status line the way apply_* does (used by our own SageAttention node)."""
+    to = model_options.setdefault("transformer_options", {})
+    # Copy so a clone never writes into the dict its parent shares.
+    to[STATUS_KEY] = dict(to.get(STATUS_KEY, {}))
+    to[STATUS_KEY][feature] = line
+
+
+def peak_lines(plan: Any, placement: Placement) -> list[str]:
+    """'predicted peak gpu:1 27.3 of 32.0 GiB (PASS2)' per GPU the placement uses."""
+    if plan is None:
+        return ["predicted peak: no plan"]
+    lines = []
+    used = {placement.root, placement.helper} - {None}
+    for gpu in getattr(plan, "gpus", []):
+        if used and gpu.index not in used:
+            continue
+        phases = getattr(gpu, "phases", {})
+        worst = max(phases.items(), key=lambda kv: kv[1].peak, default=None)
+        where = f" ({worst[0]})" if worst else ""
+        lines.append(f"predicted peak gpu:{gpu.index} {gpu.peak_bytes / GiB:.1f} of "
+                     f"{gpu.capacity_bytes / GiB:.1f} GiB{where}")
+    return lines or ["predicted peak: the plan lists no GPU"]
+
+
+def compose_status(
+    *,
+    placement: Placement,
+    plan: Any = None,
+    features: dict[str, str] | None = None,
+    component_notes: list[str] | None = None,
+    extra: list[str] | None = None,
+) -> str:
+    """The multi-line status of the drop-in node."""
+    gpus = len(placement.gpus)
+    head = f"H3 Multi-GPU: {gpus} GPU{'s' if gpus != 1 else ''}"
+    if plan is not None:
+        profile = getattr(getattr(plan, "profile", None), "name", "?")
+        fits = "fits" if getattr(plan, "fits", False) else "DOES NOT FIT"
+        head += f", plan {profile} ({fits})"
+    lines = [head, *placement.lines(), *peak_lines(plan, placement)]
+    if plan is not None and not getattr(plan, "fits", True):
+        lines += [f"problem: {p}" for p in getattr(plan, "problems", [])]
+    features = features or {}
+    for name in FEATURES:
+        if name in features:
+            lines.append(f"{name}: {features[name]}")
+    lines += [f"{name}: {text}" for name, text in features.items() if name not in FEATURES]
+    lines += component_notes or []
+    lines += [f"note: {n}" for n in placement.notes]
+    lines += extra or []
+    return "\n".join(lines)
