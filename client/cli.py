@@ -1,0 +1,144 @@
+"""`h3-multigpu submit`: the command-line face of `submit()`.
+
+Exit codes: 0 done; 1 the run failed on the server or a download failed; 2 the workflow or a
+flag is wrong, or the server refused the prompt; 3 the server is unreachable; 124 --timeout;
+130 Ctrl-C (the prompt was cancelled on the server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import (
+    DownloadError,
+    ExecutionFailed,
+    ExecutionInterrupted,
+    PromptRejected,
+    RunTimeout,
+    ServerUnavailable,
+    WorkflowError,
+)
+from .http import ComfyClient
+from .params import parse_size, parse_target
+from .report import JsonReporter, TextReporter
+from .run import prepare, submit
+
+EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
+    (WorkflowError, 2),
+    (PromptRejected, 2),
+    (ServerUnavailable, 3),
+    (RunTimeout, 124),
+    (ExecutionFailed, 1),
+    (ExecutionInterrupted, 1),
+    (DownloadError, 1),
+)
+
+
+def _size(text: str) -> str:
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_submit_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "submit",
+        help="submit a workflow to a ComfyUI server, follow it and download its outputs",
+        description="Check WORKFLOW against the server, queue it once, show progress, download "
+                    "every output to --out; Ctrl-C cancels the prompt on the server.",
+    )
+    p.add_argument("workflow", help="workflow JSON, API format or editor (UI) format")
+    p.add_argument("--server", default="http://127.0.0.1:8188", help="ComfyUI base URL")
+    p.add_argument("--prompt", help="text of the node titled 'Prompt'")
+    p.add_argument("--seconds", type=float, help="duration, node titled 'Seconds' (5 = 124 f)")
+    p.add_argument("--seed", type=int, help="seed, node titled 'Seed'")
+    p.add_argument("--steps", type=int, help="steps, node 'Steps' (else 'PASS1 Steps')")
+    p.add_argument("--pass1-steps", type=int, help="steps of PASS1, node 'PASS1 Steps'")
+    p.add_argument("--pass2-steps", type=int, help="steps of PASS2, node 'PASS2 Steps'")
+    p.add_argument("--pass1-size", type=_size, metavar="WxH",
+                   help="nodes 'PASS1 Width'/'PASS1 Height', e.g. 864x480")
+    p.add_argument("--pass2-size", type=_size, metavar="WxH",
+                   help="nodes 'PASS2 Width'/'PASS2 Height', e.g. 1312x736")
+    p.add_argument("--turbo", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep or bypass the node titled 'Turbo LoRA' (8-step LoRA)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="any parameter given a target with --map (VALUE parsed as JSON if it can)")
+    p.add_argument("--map", action="append", default=[], metavar="NAME=TITLE:INPUT",
+                   help="where a parameter goes, e.g. seed='My Seed:noise_seed'")
+    p.add_argument("--out", default=".", help="folder for the outputs (never overwritten)")
+    p.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before the run is cancelled on the server (default: none)")
+    p.add_argument("--retries", type=int, default=5,
+                   help="retries on connection errors and 5xx, backoff 0.5 s doubling (default 5)")
+    p.add_argument("--check", action="store_true",
+                   help="only check and patch the workflow; print the API prompt, submit nothing")
+    p.set_defaults(func=run_submit)
+
+
+def _params(args: argparse.Namespace) -> dict:
+    params = {name: getattr(args, name) for name in
+              ("prompt", "seconds", "seed", "steps", "pass1_steps", "pass2_steps", "pass1_size",
+               "pass2_size", "turbo")}
+    for item in args.set:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise WorkflowError([], f"--set {item!r} is not NAME=VALUE")
+        try:
+            params[name.replace("-", "_")] = json.loads(text)
+        except json.JSONDecodeError:
+            params[name.replace("-", "_")] = text
+    return params
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    report = JsonReporter(sys.stdout) if args.json else TextReporter(sys.stderr)
+    try:
+        targets = dict(parse_target(item) for item in args.map)
+        params = _params(args)
+        client = ComfyClient(args.server, retries=args.retries, on_event=report)
+        if args.check:
+            prompt = prepare(args.workflow, client.object_info(), params, targets, report)
+            print(json.dumps(prompt, indent=2))
+            return 0
+        paths = submit(args.workflow, params=params, out_dir=args.out, on_event=report,
+                       targets=targets, timeout_s=args.timeout, client=client)
+    except KeyboardInterrupt:
+        _fail(args, "interrupted", "stopped by Ctrl-C")
+        return 130
+    except tuple(cls for cls, _ in EXIT_CODES) as exc:
+        _fail(args, "error", str(exc), type(exc).__name__)
+        return next(code for cls, code in EXIT_CODES if isinstance(exc, cls))
+    except ValueError as exc:  # --map syntax, a bad --server URL
+        _fail(args, "error", str(exc), "ValueError")
+        return 2
+    if not args.json:
+        for path in paths:
+            print(path)
+    return 0
+
+
+def _fail(args: argparse.Namespace, kind: str, message: str, error: str | None = None) -> None:
+    if args.json:
+        event = {"event": kind, "message": message}
+        if error:
+            event["error"] = error
+        print(json.dumps(event), flush=True)
+    else:
+        print(f"h3-multigpu submit: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry for tests and `python -m h3_multigpu.client.cli`."""
+    parser = argparse.ArgumentParser(prog="h3-multigpu")
+    add_submit_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Torch-free sizing for block streaming: what the prefetcher costs in bytes and in time.
+
+Pure Python (no torch import) so the planner can size a run before anything is loaded.
+The same rules are used by the runtime (`weights.BlockLayout`, `slots.SlotRing`,
+`arena.HostArena`, `arena.StagingRing`), and tests check that both agree.
+
+Vocabulary: a block is *resident* when its weights stay on the root GPU, *streamed* when they
+live in host memory and are copied into one of the device *slots* just ahead of use. With
+look-ahead K, the copy of the K-th next streamed block runs while the current one computes, so
+the ring holds K + 1 slots (the running block plus K arriving ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+ALIGNMENT = 256  # bytes; every tensor of a block starts on this boundary in its flat buffer
+STAGING_BUFFERS = 2  # double-buffered: one is filled on the worker while the other is copied
+
+
+def aligned(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    """`nbytes` rounded up to the next multiple of `alignment`."""
+    return -(-nbytes // alignment) * alignment
+
+
+def block_flat_bytes(tensor_nbytes: Iterable[int], alignment: int = ALIGNMENT) -> int:
+    """Bytes of one block's flat buffer: every tensor (incl. quantized scales) aligned."""
+    return sum(aligned(n, alignment) for n in tensor_nbytes)
+
+
+def slot_count(lookahead: int, streamed_blocks: int) -> int:
+    """Device slots for look-ahead K: K + 1, never more than there are streamed blocks."""
+    if streamed_blocks <= 0:
+        return 0
+    return min(lookahead + 1, streamed_blocks)
+
+
+def slot_ring_bytes(largest_block_bytes: int, lookahead: int, streamed_blocks: int) -> int:
+    """Device bytes of the slot ring: each slot holds the largest streamed block."""
+    return slot_count(lookahead, streamed_blocks) * largest_block_bytes
+
+
+def pinned_arena_bytes(streamed_block_bytes: Iterable[int], budget_bytes: int | None) -> int:
+    """Pinned host bytes: streamed blocks in execution order, each while it fits the budget.
+
+    Blocks past the budget stay pageable and go through the staging ring instead.
+    """
+    total = 0
+    for nbytes in streamed_block_bytes:
+        if budget_bytes is not None and total + nbytes > budget_bytes:
+            break
+        total += nbytes
+    return total
+
+
+def staging_ring_bytes(largest_pageable_block_bytes: int,
+                       buffers: int = STAGING_BUFFERS) -> int:
+    """Pinned bytes of the staging ring (zero when no block is pageable)."""
+    return buffers * largest_pageable_block_bytes if largest_pageable_block_bytes > 0 else 0
+
+
+def copy_seconds(block_bytes: int, link_gb_per_s: float) -> float:
+    """Predicted host-to-device copy time of one block over a link of `link_gb_per_s` (1e9 B/s)."""
+    if link_gb_per_s <= 0:
+        raise ValueError(f"link_gb_per_s must be positive, got {link_gb_per_s}")
+    return block_bytes / (link_gb_per_s * 1e9)
+
+
+def step_overhead_seconds(*, blocks: int, streamed: int, block_compute_s: float,
+                          block_copy_s: float, unhidden_copies: int = 0) -> float:
+    """Predicted extra time per step from streaming `streamed` of `blocks` blocks.
+
+    With resident blocks spread among the streamed ones, the copy engine has
+    `blocks / streamed` blocks of compute to deliver each streamed block; any copy time above
+    that shows up on the step. `unhidden_copies` counts copies with no compute to hide behind
+    (e.g. the token refiner's blocks, which run on text only). The look-ahead does not change
+    this throughput bound; it absorbs jitter between blocks.
+    """
+    if streamed <= 0:
+        return 0.0
+    slack_s = block_compute_s * blocks / streamed
+    return streamed * max(0.0, block_copy_s - slack_s) + unhidden_copies * block_copy_s
+
+
+def streamed_weight_vram_bytes(*, blocks: int, resident: int, block_bytes: int,
+                               lookahead: int) -> int:
+    """DiT block weights on the device: resident blocks plus the slot ring."""
+    streamed = blocks - resident
+    return resident * block_bytes + slot_ring_bytes(block_bytes, lookahead, streamed)
+
+
+def resident_blocks_for_budget(vram_budget_bytes: int, *, blocks: int, block_bytes: int,
+                               lookahead: int) -> int:
+    """Most blocks that can stay resident when block weights may use `vram_budget_bytes`.
+
+    All blocks when they fit outright (no slots needed); otherwise the count that leaves room
+    for the K + 1 slots; 0 when even the slots alone do not fit (the caller reports that).
+    """
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    best = 0
+    for resident in range(blocks + 1):
+        need = streamed_weight_vram_bytes(blocks=blocks, resident=resident,
+                                          block_bytes=block_bytes, lookahead=lookahead)
+        if need <= vram_budget_bytes:
+            best = resident
+    return best

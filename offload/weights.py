@@ -1,0 +1,198 @@
+"""What moves: one block's tensors, laid out in one flat byte buffer, and how they are bound.
+
+A block's weights are every parameter and buffer under its module (linears, q/k norms, AdaLN
+projection, anything a loader added). Each tensor is flattened into *leaves*, the plain tensors
+that hold its bytes: a plain tensor is its own leaf; a quantized tensor (comfy-kitchen's
+`QuantizedTensor`, what ComfyUI's INT8/FP8/NVFP4 weights are) contributes its storage `_qdata`
+and every tensor field of its layout params (scales, block scales). Leaves are moved as raw
+bytes, never dequantized.
+
+The same `BlockLayout` (offsets aligned to `sizing.ALIGNMENT`) is used for the host copy and for
+every device slot, so streaming a block is one contiguous copy.
+
+Binding keeps module objects and state-dict keys: a plain tensor gets `.data` swapped; a
+quantized tensor gets its `_qdata` / `_params` swapped in place. `TensorRef` resolves the tensor
+by (owner module, attribute name) every time, so a loader that replaced a parameter object
+(ComfyUI re-patching a LoRA with `set_attr_param`) is noticed by `BlockWeights.is_bound_to`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from . import sizing
+
+PLAIN = "plain"  # the field name of a plain tensor's single leaf
+QDATA = "_qdata"
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """A comfy-kitchen style quantized tensor: raw storage plus a dataclass of scale tensors."""
+    params = getattr(tensor, "_params", None)
+    return (isinstance(getattr(tensor, QDATA, None), torch.Tensor)
+            and dataclasses.is_dataclass(params) and hasattr(params, "_tensor_fields"))
+
+
+def leaves_of(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(field, plain tensor) pairs holding the bytes of `tensor`."""
+    if is_quantized(tensor):
+        params = tensor._params
+        return [(QDATA, tensor._qdata)] + [(f, getattr(params, f)) for f in params._tensor_fields()]
+    return [(PLAIN, tensor)]
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A parameter or buffer, found by its owner and attribute name (never cached)."""
+
+    owner: torch.nn.Module
+    name: str
+    is_buffer: bool
+
+    def current(self) -> torch.Tensor:
+        table = self.owner._buffers if self.is_buffer else self.owner._parameters
+        return table[self.name]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    ref_index: int
+    field: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where each leaf of a block lives in a flat uint8 buffer."""
+
+    leaves: tuple[Leaf, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> BlockLayout:
+        leaves, offset = [], 0
+        for index, tensor in enumerate(tensors):
+            for field, leaf in leaves_of(tensor):
+                nbytes = leaf.numel() * leaf.element_size()
+                leaves.append(Leaf(index, field, leaf.dtype, tuple(leaf.shape), offset, nbytes))
+                offset += sizing.aligned(nbytes)
+        return cls(tuple(leaves), offset)
+
+    def signature(self) -> tuple:
+        return tuple((leaf.ref_index, leaf.field, leaf.dtype, leaf.shape) for leaf in self.leaves)
+
+    def views(self, flat_u8: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Per tensor, {field: view into `flat_u8`} with the leaf's dtype and shape."""
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.leaves[-1].ref_index + 1)] \
+            if self.leaves else []
+        for leaf in self.leaves:
+            raw = flat_u8[leaf.offset:leaf.offset + leaf.nbytes]
+            out[leaf.ref_index][leaf.field] = raw.view(leaf.dtype).view(leaf.shape)
+        return out
+
+
+class BlockWeights:
+    """Every tensor of one block module, its layout, and binding to a flat buffer's views."""
+
+    def __init__(self, block_id: str, module: torch.nn.Module):
+        self.block_id = block_id
+        self.module = module
+        self.refs = _tensor_refs(module)
+        self.layout = BlockLayout.of(self.tensors())
+        # views per flat buffer (host copy, each slot): built once, bound every time the block runs
+        self._views: dict[int, list[dict[str, torch.Tensor]]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [ref.current() for ref in self.refs]
+
+    def device_bytes(self, device: torch.device) -> int:
+        """Bytes of this block's leaves currently on `device` (for the 'auto' residency)."""
+        return sum(leaf.numel() * leaf.element_size() for t in self.tensors()
+                   for _, leaf in leaves_of(t) if leaf.device == device)
+
+    def relayout(self) -> bool:
+        """Recompute the layout from the current tensors; True when it changed."""
+        layout = BlockLayout.of(self.tensors())
+        changed = layout.signature() != self.layout.signature()
+        self.layout = layout
+        self._views.clear()
+        return changed
+
+    def forget_views(self) -> None:
+        """Drop cached views (their buffers are being freed or replaced)."""
+        self._views.clear()
+
+    def views(self, flat_u8: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        key = flat_u8.data_ptr()
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = self.layout.views(flat_u8)
+        return views
+
+    def copy_into(self, flat_u8: torch.Tensor) -> None:
+        """Write the current tensors' bytes into `flat_u8` (synchronous, setup only)."""
+        for tensor, views in zip(self.tensors(), self.layout.views(flat_u8), strict=True):
+            for field, leaf in leaves_of(tensor):
+                views[field].copy_(leaf)
+
+    def bind(self, flat_u8: torch.Tensor) -> None:
+        """Point every tensor of the block at its view in `flat_u8`."""
+        for tensor, views in zip(self.tensors(), self.views(flat_u8), strict=True):
+            _bind_leaves(tensor, views)
+
+    def materialize(self, flat_u8: torch.Tensor, device: torch.device) -> None:
+        """Give every tensor its own storage on `device`, copied from its view in `flat_u8`."""
+        for tensor, views in zip(self.tensors(), self.layout.views(flat_u8), strict=True):
+            _bind_leaves(tensor, {f: v.to(device, copy=True) for f, v in views.items()})
+
+    def is_bound_to(self, flat_u8: torch.Tensor) -> bool:
+        """True when every leaf still lives at its offset in `flat_u8`."""
+        base = flat_u8.data_ptr()
+        tensors = self.tensors()
+        for leaf in self.layout.leaves:
+            if leaf.ref_index >= len(tensors):
+                return False
+            fields = dict(leaves_of(tensors[leaf.ref_index]))
+            current = fields.get(leaf.field)
+            if leaf.nbytes == 0 and current is not None:
+                continue  # empty tensors may report any pointer
+            if current is None or current.data_ptr() != base + leaf.offset:
+                return False
+        return True
+
+
+def _bind_leaves(tensor: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+    if is_quantized(tensor):
+        fields = {f: v for f, v in views.items() if f != QDATA}
+        tensor._qdata = views[QDATA]
+        tensor._params = dataclasses.replace(tensor._params, **fields)
+    else:
+        tensor.data = views[PLAIN]
+
+
+def _tensor_refs(module: torch.nn.Module) -> list[TensorRef]:
+    """Parameters then buffers of every submodule, each tensor object once."""
+    refs, seen = [], set()
+    for owner in module.modules():
+        for is_buffer, table in ((False, owner._parameters), (True, owner._buffers)):
+            for name, tensor in table.items():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                refs.append(TensorRef(owner, name, is_buffer))
+    return refs
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Flat-buffer bytes of a block (aligned leaves), read from shapes only: nothing moves."""
+    return BlockLayout.of([ref.current() for ref in _tensor_refs(module)]).nbytes
