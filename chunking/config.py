@@ -1,0 +1,104 @@
+"""`ChunkingConfig`: FFN rows, QKV rows and heads per attention call (0 = off, or "auto")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+AUTO = "auto"
+ChunkValue = int | Literal["auto"]
+_FIELDS = ("ffn_chunk", "qkv_chunk", "head_group")
+_UNITS = {"ffn_chunk": "rows", "qkv_chunk": "rows", "head_group": "heads per attention call"}
+
+
+def _validate(name: str, value: Any) -> ChunkValue:
+    if isinstance(value, str) and value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= 0 ({_UNITS[name]}, 0 = off) or 'auto', "
+                         f"got {value!r}; parse text with ChunkingConfig.from_strings")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 ({_UNITS[name]}, 0 = off) or 'auto', got {value}; "
+                         f"use 0 to turn it off")
+    return value
+
+
+def _parse(name: str, text: Any) -> ChunkValue:
+    if isinstance(text, int) and not isinstance(text, bool):
+        return _validate(name, text)
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be text such as 'auto', 'off' or '16384', got {text!r}")
+    word = text.strip().lower()
+    if word in (AUTO, ""):
+        return AUTO
+    if word in ("off", "0", "none"):
+        return 0
+    try:
+        value = int(word.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise ValueError(f"{name} {text!r} is not understood; use 'auto', 'off' or a whole "
+                         f"number of {_UNITS[name]} such as 16384") from None
+    return _validate(name, value)
+
+
+@dataclass(frozen=True)
+class ChunkingConfig:
+    """How one DiT block forward is chunked.
+
+    ffn_chunk: rows per fc1 -> SwiGLU -> fc2 chunk. qkv_chunk: rows per qkv projection chunk
+    (LoRA/bypass adapters included) and per out_proj chunk. head_group: heads per attention call.
+    0 = off; "auto" sizes it at run time from the memory free on the block's device (off on CPU).
+    blocks: DiT block indices to patch (None = all). headroom_bytes: kept free by "auto" for
+    fragmentation, cuBLAS workspaces and weight casts.
+    """
+
+    ffn_chunk: ChunkValue = 0
+    qkv_chunk: ChunkValue = 0
+    head_group: ChunkValue = 0
+    blocks: tuple[int, ...] | None = None
+    headroom_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        for name in _FIELDS:
+            _validate(name, getattr(self, name))
+        if self.blocks is not None:
+            blocks = tuple(self.blocks)
+            if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in blocks):
+                raise ValueError(f"blocks must be DiT block indices >= 0, got {self.blocks!r}")
+            object.__setattr__(self, "blocks", blocks)
+        if (isinstance(self.headroom_bytes, bool) or not isinstance(self.headroom_bytes, int)
+                or self.headroom_bytes < 0):
+            raise ValueError(f"headroom_bytes must be an int >= 0, got {self.headroom_bytes!r}")
+
+    @classmethod
+    def from_strings(cls, ffn_chunk: str = AUTO, qkv_chunk: str = AUTO,
+                     head_group: str = AUTO) -> ChunkingConfig:
+        """From node text inputs: "auto", "off"/"0", or a number such as "16384"."""
+        return cls(ffn_chunk=_parse("ffn_chunk", ffn_chunk),
+                   qkv_chunk=_parse("qkv_chunk", qkv_chunk),
+                   head_group=_parse("head_group", head_group))
+
+    @classmethod
+    def from_plan(cls, chunking: Any) -> ChunkingConfig:
+        """From the planner's `Plan.chunking` (any object with the three fields, or a dict)."""
+        get = chunking.get if isinstance(chunking, dict) else (
+            lambda name: getattr(chunking, name))
+        return cls(**{name: get(name) for name in _FIELDS})
+
+    @property
+    def enabled(self) -> bool:
+        return any(getattr(self, name) for name in _FIELDS)
+
+    def status(self, block_count: int) -> str:
+        """One line for `transformer_options["h3_multigpu"]["chunking"]`."""
+        if not self.enabled:
+            return "off"
+
+        def show(name: str, unit: str) -> str:
+            value = getattr(self, name)
+            return "off" if value == 0 else f"{value}" if value == AUTO else f"{value} {unit}"
+
+        where = (f"all {block_count} blocks" if self.blocks is None
+                 else f"blocks {','.join(map(str, self.blocks))}")
+        return (f"on ({where}): ffn {show('ffn_chunk', 'rows')}, qkv {show('qkv_chunk', 'rows')}"
+                f", attention {show('head_group', 'heads/call')}; exact")

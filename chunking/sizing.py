@@ -1,0 +1,325 @@
+"""Activation memory of one H3 DiT block, chunked or not: pure Python, no torch.
+
+The planner calls these before any weight moves; the chunked block forward (`block.py`) uses the
+same `row_chunks` so the sizes it runs are the sizes predicted here. Every formula lists the
+tensors alive at one moment of the code, in the order the code allocates them; a phase's peak is
+the largest of its moments. Bytes include the residual stream x (the block's input, alive
+throughout) and exclude the block's weights and the per-forward inputs shared by all blocks
+(rotation table, time embedding).
+
+Legend: S tokens (rows of the packed sequence), C hidden, H heads, D head dim, I = H*D inner,
+F ffn width (fc1 writes 2F: gate | up), r LoRA rank, e bytes per element, m rows per chunk,
+g heads per attention call.
+
+Moments of the unchunked block (twin and upstream, identical structure):
+  attention  A0 norm1(x):            x, h (+ the norm's temporaries when it is not fused)
+             A1 qkv_proj(h):         x, h, qkv [S,3I] (+ adapter output [S,3I] and down [S,r])
+             A2 SDPA:                x, h, qkv, out [S,I] (+ logsumexp [H,S] fp32, or the
+                                     reshape copy of out [S,I] when the backend's layout needs one)
+             A3 out_proj:            x, h, out [S,I], proj [S,C] (+ adapter temporaries)
+  mlp        M0 norm2(x):            x, the attention phase's h, the new h (+ norm temporaries)
+             M1 fc1(h):              x, h, fc1 [S,2F] (+ adapter output [S,2F] and down [S,r])
+             M2 swiglu:              x, h, fc1, silu(gate) [S,F] and, in the twin, the product [S,F]
+             M3 fc2:                 twin: x, h, product, proj [S,C]
+                                     ComfyUI: x, h, fc1 (still held by linear_input_act), product,
+                                     proj [S,C]; INT8 fuses the product into an int8 [S,F] buffer
+Chunked: the projection rows go m at a time into one preallocated [S,3I] buffer and h is freed
+once it is consumed; attention over g heads per call writes into one [S,I] buffer; out_proj, fc1,
+swiglu, fc2 and the LoRA adapters see m rows at a time, each chunk gated into x in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import geometry
+
+MLP_KERNELS = ("twin", "comfy", "comfy_int8")
+ROW_ALIGN = 128  # chunk rows are rounded to GEMM tile multiples so every chunk is a full-tile GEMM
+LSE_BYTES = 4  # SDPA's logsumexp is fp32 [H, S]
+HEAD_GROUP_CANDIDATES = (28, 16, 8, 4, 2, 1)
+# A call with few heads x few query tiles makes flash attention split the keys across blocks
+# (split-KV), which changes the summation order: head groups are exact only while every call
+# keeps enough (head, 64-row query tile) work items; 1024 covers twice the SMs of any GPU here.
+MIN_QUERY_TILES_PER_CALL = 1024
+GiB = 1 << 30
+
+
+def row_chunks(total: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) row ranges covering `total` rows, each at most `chunk` rows.
+
+    Balanced: n = ceil(total / chunk) chunks of nearly equal size (multiples of ROW_ALIGN where
+    that leaves the tail at least half a chunk), so no tiny tail chunk falls back to a small-M
+    GEMM kernel. `chunk <= 0` or `chunk >= total` gives one range.
+    """
+    if total <= 0:
+        return []
+    if chunk <= 0 or chunk >= total:
+        return [(0, total)]
+    n = -(-total // chunk)
+    even = -(-total // n)
+    aligned = -(-even // ROW_ALIGN) * ROW_ALIGN
+    if aligned <= chunk and total - aligned * (n - 1) >= aligned // 2:
+        return [(start, min(start + aligned, total)) for start in range(0, total, aligned)]
+    base, extra = divmod(total, n)  # the first `extra` chunks take one row more
+    bounds = [i * base + min(i, extra) for i in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def largest_chunk_rows(total: int, chunk: int) -> int:
+    """Rows of the largest range `row_chunks(total, chunk)` produces (what sets the peak)."""
+    return max((b - a for a, b in row_chunks(total, chunk)), default=0)
+
+
+@dataclass(frozen=True)
+class BlockDims:
+    """Widths of one DiT block; defaults are the upstream H3 shapes in bf16."""
+
+    hidden: int = geometry.HIDDEN
+    heads: int = geometry.HEADS
+    head_dim: int = geometry.HEAD_DIM
+    ffn: int = geometry.FFN
+    element_bytes: int = 2
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """On-activation adapters (LoRA/bypass) per linear: counts of stacked adapters, and rank."""
+
+    rank: int = 0
+    qkv: int = 0
+    fc1: int = 0
+    out_proj: int = 0
+    fc2: int = 0
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What the kernels allocate beyond their outputs.
+
+    mlp: "twin" (silu temporary, fc1 freed before fc2), "comfy" (`linear_input_act` eager
+    SwiGLU: silu then in-place multiply, fc1 held during fc2), "comfy_int8" (SwiGLU fused into
+    the INT8 activation quantizer: an int8 [S,F] buffer). attention_output_copy: the attention
+    backend's [1,H,S,D] output needs a copy to become [1,S,H*D] (False for SDPA flash/efficient).
+    norm_temp_bytes: bytes of temporaries per element of [S,C] while RMSNorm runs, beyond its
+    output (0 for a fused kernel; a composite bf16 RMSNorm upcasts to fp32 on the way).
+    """
+
+    mlp: str = "twin"
+    attention_output_copy: bool = False
+    norm_temp_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mlp not in MLP_KERNELS:
+            raise ValueError(f"mlp kernel {self.mlp!r} is unknown; use one of {MLP_KERNELS}")
+
+
+def linear_call_bytes(rows: int, out_features: int, adapters: int, rank: int, e: int) -> int:
+    """Peak bytes of one linear call on `rows` rows including its output.
+
+    With bypass adapters the adapter's up-projection output exists next to the base output
+    (plus the [rows, r] down output) until one is added into the other; stacked adapters repeat
+    this one at a time, so the peak does not grow with their count.
+    """
+    out = rows * out_features * e
+    if adapters <= 0:
+        return out
+    return 2 * out + rows * rank * e
+
+
+def _attention_call_bytes(rows: int, heads: int, dims: BlockDims, kernels: Kernels) -> int:
+    out = rows * heads * dims.head_dim * dims.element_bytes
+    during_kernel = out + heads * rows * LSE_BYTES
+    return max(during_kernel, 2 * out) if kernels.attention_output_copy else during_kernel
+
+
+def _check(tokens: int, **chunks: int) -> None:
+    if not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
+    for name, value in chunks.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0 (0 = off), got {value!r}")
+
+
+def attention_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *,
+                               qkv_chunk: int = 0, head_group: int = 0,
+                               adapters: Adapters = Adapters(),
+                               kernels: Kernels = Kernels()) -> int:
+    """Peak activation bytes from norm1 to the gated attention residual (see module legend)."""
+    _check(tokens, qkv_chunk=qkv_chunk, head_group=head_group)
+    s, c, i, e = tokens, dims.hidden, dims.inner, dims.element_bytes
+    x = h = s * c * e
+    qkv = s * 3 * i * e
+    attn_out = s * i * e
+    group = head_group if 0 < head_group < dims.heads else 0
+    norm1 = x + h + int(kernels.norm_temp_bytes * s * c)
+    if not qkv_chunk and not group:  # the upstream Attention.forward, h alive throughout
+        a1 = x + h + linear_call_bytes(s, 3 * i, adapters.qkv, adapters.rank, e)
+        a2 = x + h + qkv + _attention_call_bytes(s, dims.heads, dims, kernels)
+        a3 = x + h + attn_out + linear_call_bytes(s, c, adapters.out_proj, adapters.rank, e)
+        return max(norm1, a1, a2, a3)
+    if qkv_chunk:
+        m = largest_chunk_rows(s, qkv_chunk)
+        b1 = x + h + qkv + linear_call_bytes(m, 3 * i, adapters.qkv, adapters.rank, e)
+    else:
+        m = s
+        b1 = x + h + linear_call_bytes(s, 3 * i, adapters.qkv, adapters.rank, e)
+    if group:  # h is gone; one [S,I] output buffer, one group's temporaries at a time
+        b2 = x + qkv + attn_out + _attention_call_bytes(s, group, dims, kernels)
+    else:
+        b2 = x + qkv + _attention_call_bytes(s, dims.heads, dims, kernels)
+    b3 = x + attn_out + linear_call_bytes(m, c, adapters.out_proj, adapters.rank, e)
+    return max(norm1, b1, b2, b3)
+
+
+def _mlp_moments(rows: int, dims: BlockDims, adapters: Adapters, kernels: Kernels) -> int:
+    """Peak bytes of fc1 -> SwiGLU -> fc2 on `rows` rows, x and h excluded."""
+    c, f, e = dims.hidden, dims.ffn, dims.element_bytes
+    fc1 = rows * 2 * f * e
+    half = rows * f * e
+    proj = linear_call_bytes(rows, c, adapters.fc2, adapters.rank, e)
+    m1 = linear_call_bytes(rows, 2 * f, adapters.fc1, adapters.rank, e)
+    if kernels.mlp == "twin":
+        m2 = fc1 + 2 * half  # silu(gate) and silu(gate) * up both exist at the multiply
+        m3 = half + proj  # fc1 was dropped when swiglu returned
+    elif kernels.mlp == "comfy":
+        m2 = fc1 + half  # silu(gate).mul_(up) reuses the silu buffer
+        m3 = fc1 + half + proj  # linear_input_act's frame still holds fc1 during fc2
+    else:  # comfy_int8: the product lives only as int8 inside the fused quantizer
+        m2 = 0
+        m3 = fc1 + rows * f + proj
+    return max(m1, m2, m3)
+
+
+def mlp_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *, ffn_chunk: int = 0,
+                         adapters: Adapters = Adapters(), kernels: Kernels = Kernels(),
+                         chunked_block: bool | None = None) -> int:
+    """Peak activation bytes from norm2 to the gated MLP residual (see module legend).
+
+    chunked_block: whether the patched block forward runs (it frees the attention phase's h
+    before norm2); defaults to `ffn_chunk > 0`. The plain block keeps it (moment M0).
+    """
+    _check(tokens, ffn_chunk=ffn_chunk)
+    chunked_block = bool(ffn_chunk) if chunked_block is None else chunked_block
+    s, e = tokens, dims.element_bytes
+    x = h = s * dims.hidden * e
+    m0 = (x + h if chunked_block else x + 2 * h) + int(kernels.norm_temp_bytes * s * dims.hidden)
+    rows = largest_chunk_rows(s, ffn_chunk) if ffn_chunk else s
+    return max(m0, x + h + _mlp_moments(rows, dims, adapters, kernels))
+
+
+@dataclass(frozen=True)
+class BlockPeak:
+    attention_bytes: int
+    mlp_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.attention_bytes, self.mlp_bytes)
+
+    @property
+    def phase(self) -> str:
+        return "attention" if self.attention_bytes >= self.mlp_bytes else "mlp"
+
+
+def block_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *, ffn_chunk: int = 0,
+                     qkv_chunk: int = 0, head_group: int = 0, adapters: Adapters = Adapters(),
+                     kernels: Kernels = Kernels()) -> BlockPeak:
+    """Both phases' activation peaks of one block forward with these chunk settings."""
+    chunked_block = bool(ffn_chunk or qkv_chunk or (0 < head_group < dims.heads))
+    return BlockPeak(
+        attention_phase_peak_bytes(tokens, dims, qkv_chunk=qkv_chunk, head_group=head_group,
+                                   adapters=adapters, kernels=kernels),
+        mlp_phase_peak_bytes(tokens, dims, ffn_chunk=ffn_chunk, adapters=adapters,
+                             kernels=kernels, chunked_block=chunked_block))
+
+
+def unchunked_block_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *,
+                               adapters: Adapters = Adapters(),
+                               kernels: Kernels = Kernels()) -> BlockPeak:
+    """The plain twin/upstream block: x and h alive in both phases, M0 included."""
+    return block_peak_bytes(tokens, dims, adapters=adapters, kernels=kernels)
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    """Chunk sizes for one block forward (0 = off) and what they are predicted to need."""
+
+    ffn_chunk: int
+    qkv_chunk: int
+    head_group: int
+    peak: BlockPeak
+    budget_bytes: int
+    fits: bool
+
+
+def _row_candidates(tokens: int, granule: int, max_chunks: int = 64) -> list[int]:
+    """Chunk sizes for 1..max_chunks chunks, largest first; granule-rounded while that large."""
+    out: list[int] = []
+    for n in range(1, min(tokens, max_chunks) + 1):
+        rows = -(-tokens // n)
+        if n > 1 and rows >= granule:
+            rows = -(-rows // granule) * granule
+        if n > 1 and rows >= tokens:
+            continue
+        if not out or rows < out[-1]:
+            out.append(rows)
+    return out
+
+
+def choose_chunks(free_bytes: int, tokens: int, dims: BlockDims = BlockDims(), *,
+                  adapters: Adapters = Adapters(), kernels: Kernels = Kernels(),
+                  ffn_chunk: int | None = None, qkv_chunk: int | None = None,
+                  head_group: int | None = None, headroom_fraction: float = 0.1,
+                  headroom_bytes: int = 512 << 20, granule: int = 1024) -> ChunkChoice:
+    """The least chunking whose block peak fits the memory free at block entry.
+
+    free_bytes: bytes the allocator can still hand out when the block starts (x, the residual
+    stream, is already allocated, so it is not counted against it). The budget keeps
+    `headroom_fraction` of it and `headroom_bytes` back for fragmentation, cuBLAS workspaces and
+    weight casts. A value given for ffn_chunk / qkv_chunk / head_group is kept; None chooses it.
+    Preference, because each step costs a little more launches than the one before: no chunking;
+    FFN rows (largest fitting chunk); QKV rows; then fewer heads per attention call. `fits` is
+    False when even the smallest settings exceed the budget (the most aggressive are returned).
+    """
+    _check(tokens)
+    if not isinstance(free_bytes, int) or free_bytes < 0:
+        raise ValueError(f"free_bytes must be a non-negative int, got {free_bytes!r}")
+    budget = int(free_bytes * (1.0 - headroom_fraction)) - headroom_bytes
+    resident = tokens * dims.hidden * dims.element_bytes  # x, already allocated
+
+    def peak(ffn: int, qkv: int, group: int) -> BlockPeak:
+        return block_peak_bytes(tokens, dims, ffn_chunk=ffn, qkv_chunk=qkv, head_group=group,
+                                adapters=adapters, kernels=kernels)
+
+    def fits(value: int) -> bool:
+        return value - resident <= budget
+
+    rows = _row_candidates(tokens, granule)
+    ffn_options = [ffn_chunk] if ffn_chunk is not None else [0] + rows[1:]
+    qkv_options = [qkv_chunk] if qkv_chunk is not None else [0] + rows[1:]
+    tiles = -(-tokens // 64)
+    group_options = ([head_group] if head_group is not None else
+                     [0] + [g for g in HEAD_GROUP_CANDIDATES
+                            if g < dims.heads and g * tiles >= MIN_QUERY_TILES_PER_CALL])
+    # the phases are independent: FFN rows only move the MLP peak, QKV rows and head groups only
+    # the attention peak (the chunked block's M0 moment is the same for any chunk setting)
+    chunked = any((ffn_chunk, qkv_chunk, head_group))
+
+    def mlp(ffn: int) -> int:
+        return mlp_phase_peak_bytes(tokens, dims, ffn_chunk=ffn, adapters=adapters,
+                                    kernels=kernels, chunked_block=chunked or ffn > 0)
+
+    ffn = next((v for v in ffn_options if fits(mlp(v))), ffn_options[-1])
+    attn = next(((q, g) for g in group_options for q in qkv_options
+                 if fits(attention_phase_peak_bytes(tokens, dims, qkv_chunk=q, head_group=g,
+                                                    adapters=adapters, kernels=kernels))),
+                None)
+    if attn is None:
+        attn = (qkv_options[-1], group_options[-1])
+    result = peak(ffn, *attn)
+    return ChunkChoice(ffn, attn[0], attn[1], result, budget, fits(result.peak_bytes))

@@ -1,0 +1,283 @@
+"""Chunked FFN/QKV and head-group attention on the tiny twin: bit-identical, hooks preserved.
+
+The twin runs in bf16, the production dtype. (On CPU, fp32 GEMMs switch MKL kernels with the
+row count, so a row-chunked fp32 linear can differ in the last bit; bf16 GEMMs do not.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3_multigpu.chunking import (
+    ChunkingConfig,
+    apply_activation_chunking,
+    attach_activation_lora,
+    clip_segments,
+    project_rows,
+)
+from h3_multigpu.chunking.block import ChunkedBlockForward
+from h3_multigpu.chunking.h3_ops import activation_adapters
+from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def bf16_twin(tiny_config):
+    return make_twin(tiny_config, dtype=BF16, seed=3)
+
+
+@pytest.fixture
+def bf16_inputs(tiny_config):
+    # S = 16 text + 10 audio + 18 video = 44 rows; segment borders at 16 and 26
+    return make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
+                       dtype=BF16)
+
+
+def _with_lora(model, rank: int = 4):
+    hooks = []
+    for i, block in enumerate(model.blocks):
+        hooks.append(attach_activation_lora(block.attn.qkv_proj, rank, seed=100 + i))
+        hooks.append(attach_activation_lora(block.mlp.fc1, rank, seed=200 + i))
+    return hooks
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+CONFIGS = [
+    ChunkingConfig(ffn_chunk=7),  # 44 = 6*7 + 2 rows: chunks do not divide S
+    ChunkingConfig(qkv_chunk=5),
+    ChunkingConfig(head_group=3),  # 8 heads = 3 + 3 + 2
+    ChunkingConfig(ffn_chunk=9, qkv_chunk=13, head_group=5),
+    ChunkingConfig(ffn_chunk=3, qkv_chunk=2, head_group=1),
+    ChunkingConfig(ffn_chunk=100, qkv_chunk=100, head_group=8),  # one chunk, all heads
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.ffn_chunk}-{c.qkv_chunk}-"
+                                                       f"{c.head_group}")
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_chunked_model_is_bit_identical(bf16_twin, bf16_inputs, config, lora):
+    if lora:
+        _with_lora(bf16_twin)
+    base = TwinPatcher(bf16_twin)
+    reference = base.apply_model(*bf16_inputs)
+    patched = apply_activation_chunking(base, config)
+    out = patched.apply_model(*bf16_inputs)
+    assert _equal(out, reference)
+    runs = [patched.object_patches[f"diffusion_model.blocks.{i}.forward"].last_chunks
+            for i in range(len(bf16_twin.blocks))]
+    assert runs == [(config.ffn_chunk, config.qkv_chunk, config.head_group)] * 3
+
+
+def test_lora_changes_the_output(bf16_twin, bf16_inputs):
+    plain = TwinPatcher(bf16_twin).apply_model(*bf16_inputs)
+    hooks = _with_lora(bf16_twin)
+    adapted = TwinPatcher(bf16_twin).apply_model(*bf16_inputs)
+    assert not torch.equal(plain[0], adapted[0])
+    for hook in hooks:
+        hook.eject()
+    assert _equal(TwinPatcher(bf16_twin).apply_model(*bf16_inputs), plain)
+
+
+def test_big_linears_only_ever_see_chunk_rows(bf16_twin, bf16_inputs):
+    _with_lora(bf16_twin)
+    block = bf16_twin.blocks[1]
+    rows: dict[str, list[int]] = {}
+    for name, module in (("qkv", block.attn.qkv_proj), ("out", block.attn.out_proj),
+                         ("fc1", block.mlp.fc1), ("fc2", block.mlp.fc2)):
+        module.register_forward_pre_hook(
+            lambda _m, args, name=name: rows.setdefault(name, []).append(args[0].shape[0]))
+    down_rows = []
+    adapter = block.attn.qkv_proj.forward.__self__.adapter
+    original_h = adapter.h
+    adapter.h = lambda x, base: (down_rows.append(x.shape[0]), original_h(x, base))[1]
+    config = ChunkingConfig(ffn_chunk=10, qkv_chunk=6, head_group=3)
+    apply_activation_chunking(TwinPatcher(bf16_twin), config).apply_model(*bf16_inputs)
+    assert max(rows["qkv"]) <= 6 and sum(rows["qkv"]) == 44
+    assert max(rows["out"]) <= 6 and sum(rows["out"]) == 44
+    assert max(rows["fc1"]) <= 10 and sum(rows["fc1"]) == 44
+    assert max(rows["fc2"]) <= 10 and sum(rows["fc2"]) == 44
+    assert max(down_rows) <= 6 and sum(down_rows) == 44
+
+
+def test_override_sees_each_head_group_and_output_is_unchanged(bf16_twin, bf16_inputs):
+    calls = []
+
+    def override(func, q, k, v, heads, **kwargs):
+        calls.append((heads, q.shape[1], q.shape[2], q.is_contiguous()))
+        return func(q, k, v, heads, **kwargs)
+
+    base = TwinPatcher(bf16_twin).clone()
+    base.set_model_optimized_attention(override)
+    reference = base.apply_model(*bf16_inputs)
+    calls.clear()
+    patched = apply_activation_chunking(base, ChunkingConfig(head_group=3, qkv_chunk=8))
+    assert _equal(patched.apply_model(*bf16_inputs), reference)
+    # refiner (16 text rows, unpatched) then 3 blocks x heads 3 + 3 + 2 over 44 rows, strided
+    assert [c[0] for c in calls] == [8] + [3, 3, 2] * 3
+    assert all(c[0] == c[1] and not c[3] for c in calls)
+    assert [c[2] for c in calls] == [16] + [44] * 9
+
+
+def test_custom_attention_argument_is_called_and_mlp_still_chunked(bf16_twin, bf16_inputs):
+    seen = []
+
+    def patch(args, extra):
+        block = bf16_twin.blocks[0]
+
+        def attention(h, rope_freqs=None, transformer_options=None):
+            seen.append(h.shape[0])
+            return block.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
+
+        return extra["original_block"]({**args, "attention": attention})
+
+    base = TwinPatcher(bf16_twin).clone()
+    base.set_model_patch_replace(patch, "dit", "double_block", 0)
+    reference = base.apply_model(*bf16_inputs)
+    assert seen == [44]
+    patched = apply_activation_chunking(base, ChunkingConfig(ffn_chunk=6, qkv_chunk=6))
+    assert _equal(patched.apply_model(*bf16_inputs), reference)
+    assert seen == [44, 44]
+
+
+def _block_case(model, cfg, rows_tensor: bool):
+    inputs = make_inputs(cfg, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=9, dtype=BF16)
+    packed = model.pack(*inputs, transformer_options={})
+    t_emb = torch.cat([packed.t_emb, packed.t_emb.flip(0) * 0.5])  # 4 timesteps -> 12 mod rows
+    segments = list(packed.mod_segments)
+    if rows_tensor:  # upstream's masked rows: one modulation row per token of the video segment
+        a, b, _ = segments[2]
+        segments[2] = (a, b, torch.arange(b - a) % 12)
+    return packed.h, t_emb, segments, packed.rope_freqs
+
+
+@pytest.mark.parametrize("rows_tensor", [False, True], ids=["row-index", "per-token-rows"])
+def test_block_forward_matches_with_per_token_modulation_rows(bf16_twin, tiny_config,
+                                                              rows_tensor):
+    block = bf16_twin.blocks[2]
+    x, t_emb, segments, rope = _block_case(bf16_twin, tiny_config, rows_tensor)
+    reference = block.forward(x.clone(), t_emb, segments, rope)
+    chunked = ChunkedBlockForward(block, ChunkingConfig(ffn_chunk=11, qkv_chunk=7,
+                                                        head_group=3))
+    assert torch.equal(chunked(x.clone(), t_emb, segments, rope), reference)
+
+
+def test_clip_segments_rebases_and_slices_token_rows():
+    rows = torch.arange(20, 30)
+    segments = [(0, 4, 1), (4, 14, rows), (14, 20, 2)]
+    assert clip_segments(segments, 0, 3) == [(0, 3, 1)]
+    clipped = clip_segments(segments, 3, 9)
+    assert [(a, b) for a, b, _ in clipped] == [(0, 1), (1, 6)]
+    assert clipped[0][2] == 1 and torch.equal(clipped[1][2], torch.arange(20, 25))
+    clipped = clip_segments(segments, 12, 20)
+    assert [(a, b) for a, b, _ in clipped] == [(0, 2), (2, 8)]
+    assert torch.equal(clipped[0][2], torch.tensor([28, 29])) and clipped[1][2] == 2
+
+
+def test_project_rows_fills_one_buffer_exactly(bf16_twin):
+    linear = bf16_twin.blocks[0].attn.qkv_proj
+    attach_activation_lora(linear, 4, seed=1)
+    x = torch.randn(37, linear.in_features, dtype=BF16)
+    reference = linear(x)
+    for chunk in (1, 5, 36, 37, 0):
+        assert torch.equal(project_rows(linear, x, chunk), reference)
+
+
+def test_adapter_hook_matches_comfyui_bypass_math(bf16_twin):
+    linear = bf16_twin.blocks[0].mlp.fc1
+    x = torch.randn(9, linear.in_features, dtype=BF16)
+    plain = linear(x)
+    hook = attach_activation_lora(linear, 3, alpha=1.5, multiplier=0.5, seed=4)
+    up, down = hook.adapter.weights[:2]
+    extra = torch.nn.functional.linear(torch.nn.functional.linear(x, down), up).mul_(0.25)
+    assert torch.equal(linear(x), plain + extra)
+    second = attach_activation_lora(linear, 7, seed=5)
+    assert activation_adapters(linear) == (2, 7)
+    second.eject()
+    hook.eject()
+    assert "forward" not in linear.__dict__ and activation_adapters(linear) == (0, 0)
+    assert torch.equal(linear(x), plain)
+
+
+def test_auto_is_off_on_cpu_and_sized_from_free_memory(bf16_twin, bf16_inputs, monkeypatch):
+    base = TwinPatcher(bf16_twin)
+    reference = base.apply_model(*bf16_inputs)
+    patched = apply_activation_chunking(base, ChunkingConfig.from_strings())
+    assert _equal(patched.apply_model(*bf16_inputs), reference)
+    forward = patched.object_patches["diffusion_model.blocks.0.forward"]
+    assert forward.last_chunks == (0, 0, 0)
+    # a device with almost no free memory: "auto" must chunk every phase, and stay exact
+    monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 0)
+    config = ChunkingConfig(ffn_chunk="auto", qkv_chunk="auto", head_group="auto",
+                            headroom_bytes=0, blocks=(0,))
+    patched = apply_activation_chunking(base, config)
+    assert _equal(patched.apply_model(*bf16_inputs), reference)
+    ffn, qkv, group = patched.object_patches["diffusion_model.blocks.0.forward"].last_chunks
+    # rows chunked as far as they go; no head groups at 44 rows (too few query tiles per call
+    # for a split-KV-free, exact attention: see sizing.MIN_QUERY_TILES_PER_CALL)
+    assert 0 < ffn < 44 and 0 < qkv < 44 and group == 0
+
+
+def test_apply_clones_and_records_status(bf16_twin):
+    base = TwinPatcher(bf16_twin)
+    patched = apply_activation_chunking(base, ChunkingConfig(ffn_chunk=16384, blocks=(0, 2)))
+    assert base.object_patches == {} and "h3_multigpu" not in base.model_options[
+        "transformer_options"]
+    assert sorted(patched.object_patches) == ["diffusion_model.blocks.0.forward",
+                                              "diffusion_model.blocks.2.forward"]
+    status = patched.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    assert "ffn 16384 rows" in status and "blocks 0,2" in status and "qkv off" in status
+    off = apply_activation_chunking(base, ChunkingConfig())
+    assert off.object_patches == {}
+    assert off.model_options["transformer_options"]["h3_multigpu"]["chunking"] == "off"
+    again = apply_activation_chunking(patched, ChunkingConfig(qkv_chunk=8))
+    assert len(again.object_patches) == 3
+
+
+def test_apply_refuses_bad_inputs_before_patching(bf16_twin):
+    base = TwinPatcher(bf16_twin)
+    with pytest.raises(ValueError, match="ChunkingConfig"):
+        apply_activation_chunking(base, {"ffn_chunk": 8})
+    with pytest.raises(ValueError, match="block index 3 is out of range"):
+        apply_activation_chunking(base, ChunkingConfig(ffn_chunk=8, blocks=(1, 3)))
+    other = base.clone()
+    other.add_object_patch("diffusion_model.blocks.1.forward", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="already patched"):
+        apply_activation_chunking(other, ChunkingConfig(ffn_chunk=8))
+    with pytest.raises(ValueError, match="no DiT blocks"):
+        apply_activation_chunking(TwinPatcher(torch.nn.Linear(2, 2)), ChunkingConfig())
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"ffn_chunk": -1}, "ffn_chunk"), ({"qkv_chunk": 2.5}, "qkv_chunk"),
+    ({"head_group": True}, "head_group"), ({"ffn_chunk": "16384"}, "ffn_chunk"),
+    ({"blocks": (0, -2)}, "blocks"), ({"headroom_bytes": -5}, "headroom_bytes"),
+])
+def test_config_rejects_bad_values_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ChunkingConfig(**kwargs)
+
+
+def test_config_from_strings_and_plan():
+    config = ChunkingConfig.from_strings(ffn_chunk=" 16384 ", qkv_chunk="auto", head_group="off")
+    assert (config.ffn_chunk, config.qkv_chunk, config.head_group) == (16384, "auto", 0)
+    assert ChunkingConfig.from_strings("16_384", "", "0").ffn_chunk == 16384
+    for bad in ("-3", "lots", "1.5"):
+        with pytest.raises(ValueError, match="ffn_chunk"):
+            ChunkingConfig.from_strings(ffn_chunk=bad)
+    plan = ChunkingConfig.from_plan({"ffn_chunk": 8192, "qkv_chunk": 0, "head_group": 14})
+    assert (plan.ffn_chunk, plan.qkv_chunk, plan.head_group) == (8192, 0, 14)
+    assert not ChunkingConfig().enabled and ChunkingConfig(head_group="auto").enabled
+
+
+def test_full_config_block_is_recognised_on_meta():
+    model = make_twin(TwinConfig.full(blocks=2, refiner_blocks=0), dtype=BF16, device="meta")
+    patched = apply_activation_chunking(TwinPatcher(model), ChunkingConfig(ffn_chunk=16384))
+    forward = patched.object_patches["diffusion_model.blocks.1.forward"]
+    x = torch.empty(100, 5376, dtype=BF16, device="meta")
+    dims = forward.dims(x)
+    assert (dims.hidden, dims.heads, dims.head_dim, dims.ffn) == (5376, 56, 128, 14336)

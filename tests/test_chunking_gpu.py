@@ -1,0 +1,102 @@
+"""Chunking on a GPU with full-size twin blocks: bit-identical, and memory as sizing predicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
+from h3_multigpu.chunking.workload import (
+    attention_output_needs_copy,
+    make_block_model,
+    pass_workload,
+    release_cached,
+    rms_norm_temporary_bytes,
+    run_blocks,
+)
+from h3_multigpu.twin import TwinConfig, TwinPatcher
+
+pytestmark = pytest.mark.gpu
+RANK = 128
+
+
+@pytest.fixture(scope="module")
+def full_block():
+    model, hooks = make_block_model(TwinConfig.full(blocks=1, refiner_blocks=0),
+                                    device="cuda", lora_rank=RANK, seed=1)
+    yield model, hooks
+    del model, hooks
+    release_cached(torch.device("cuda"))
+
+
+def _forwards(model, config: ChunkingConfig | None):
+    if config is None:
+        return [block.forward for block in model.blocks]
+    patcher = apply_activation_chunking(TwinPatcher(model), config)
+    return [patcher.object_patches[f"diffusion_model.blocks.{i}.forward"]
+            for i in range(len(model.blocks))]
+
+
+def _predicted(workload, config: ChunkingConfig | None) -> sizing.BlockPeak:
+    chunks = (0, 0, 0) if config is None else (config.ffn_chunk, config.qkv_chunk,
+                                                config.head_group)
+    kernels = sizing.Kernels(mlp="twin", attention_output_copy=attention_output_needs_copy("cuda"),
+                             norm_temp_bytes=rms_norm_temporary_bytes("cuda"))
+    return sizing.block_peak_bytes(
+        workload.tokens, sizing.BlockDims(), ffn_chunk=chunks[0], qkv_chunk=chunks[1],
+        head_group=chunks[2], adapters=sizing.Adapters(rank=RANK, qkv=1, fc1=1),
+        kernels=kernels)
+
+
+@pytest.mark.parametrize("config", [
+    ChunkingConfig(ffn_chunk=1000, qkv_chunk=777, head_group=12),  # nothing divides S or 56
+    ChunkingConfig(ffn_chunk=4096, qkv_chunk=4096),
+    ChunkingConfig(head_group=5),
+    ChunkingConfig(ffn_chunk=2500, qkv_chunk=1024, head_group=28),
+], ids=lambda c: f"{c.ffn_chunk}-{c.qkv_chunk}-{c.head_group}")
+def test_full_block_chunked_is_bit_identical(full_block, config):
+    model, hooks = full_block
+    # 1312x736 at 22 frames: 256 text + 74 audio + 6601 video rows
+    workload = pass_workload(model, hooks, width=1312, height=736, frames=22)
+    reference = run_blocks(workload, _forwards(model, None), repeats=1, warmup=0).output
+    chunked = run_blocks(workload, _forwards(model, config), repeats=1, warmup=0).output
+    diff = (chunked.float() - reference.float()).abs().max().item()
+    assert torch.equal(chunked, reference), f"max abs diff {diff}"
+
+
+def test_predicted_peaks_match_measured_and_chunking_lowers_them(full_block):
+    model, hooks = full_block
+    # 1312x736 at 124 frames: S = 35,305 + 256 text
+    workload = pass_workload(model, hooks, width=1312, height=736, frames=124)
+    peaks = {}
+    for name, config in (("plain", None),
+                         ("chunked", ChunkingConfig(ffn_chunk=8192, qkv_chunk=8192,
+                                                    head_group=8))):
+        run = run_blocks(workload, _forwards(model, config), repeats=1, warmup=1)
+        predicted = _predicted(workload, config).peak_bytes
+        measured = run.activation_peak_bytes
+        assert measured is not None
+        assert abs(predicted - measured) <= 0.10 * measured, (name, predicted, measured)
+        peaks[name] = measured
+    assert peaks["chunked"] < 0.7 * peaks["plain"]  # MLP 136 kB/token -> ~82 kB
+
+
+def test_auto_fits_a_tight_cap_and_stays_exact(full_block):
+    model, hooks = full_block
+    workload = pass_workload(model, hooks, width=1312, height=736, frames=124)
+    reference = run_blocks(workload, _forwards(model, None), repeats=1, warmup=0)
+    device = torch.device("cuda")
+    assert reference.activation_peak_bytes is not None
+    # leave the block 70% of what it needed unchunked (x included): "auto" must chunk to fit
+    allowed = (torch.cuda.memory_allocated(device) + workload.x_bytes
+               + int(0.70 * reference.activation_peak_bytes))
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(allowed / total, device)
+    try:
+        forwards = _forwards(model, ChunkingConfig("auto", "auto", "auto",
+                                                   headroom_bytes=256 << 20))
+        run = run_blocks(workload, forwards, repeats=1, warmup=0)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert forwards[0].last_chunks != (0, 0, 0)
+    assert torch.equal(run.output, reference.output)

@@ -1,0 +1,143 @@
+"""The torch-free activation model of chunking/sizing.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from h3_multigpu import geometry
+from h3_multigpu.chunking import sizing
+from h3_multigpu.chunking.sizing import Adapters, BlockDims, Kernels
+
+GiB = 1 << 30
+PASS2_15S = geometry.video_audio_tokens(1312, 736, 362)  # 102,107
+LORA = Adapters(rank=128, qkv=1, fc1=1)
+
+
+def test_sizing_imports_without_torch():
+    code = ("import sys; import h3_multigpu.chunking.sizing, h3_multigpu.chunking.config; "
+            "import h3_multigpu.chunking as c; c.ChunkingConfig, c.choose_chunks; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("total, chunk", [(44, 7), (44, 5), (102_363, 16_384), (1000, 999),
+                                          (5, 1), (300, 128), (130, 129), (100, 0), (10, 50)])
+def test_row_chunks_cover_in_order_and_stay_balanced(total, chunk):
+    ranges = sizing.row_chunks(total, chunk)
+    assert ranges[0][0] == 0 and ranges[-1][1] == total
+    assert all(a < b for a, b in ranges)
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    sizes = [b - a for a, b in ranges]
+    if chunk and chunk < total:
+        assert max(sizes) <= chunk and len(ranges) == -(-total // chunk)
+        # alignment shortens only the tail, never below half a chunk
+        assert max(sizes) - min(sizes) <= len(ranges) * sizing.ROW_ALIGN
+        assert min(sizes) >= max(sizes) // 2
+    else:
+        assert ranges == [(0, total)]
+
+
+def test_large_chunks_are_tile_aligned():
+    ranges = sizing.row_chunks(102_363, 16_384)
+    assert all((b - a) % sizing.ROW_ALIGN == 0 for a, b in ranges[:-1])
+    assert sizing.largest_chunk_rows(102_363, 16_384) == ranges[0][1]
+
+
+def test_lora_on_qkv_allocates_one_more_qkv_output_the_users_4_18_gib():
+    # the 15 s PASS2 failed allocating 4.18 GiB at ~104k rows: one [S, 21504] bf16 adapter output
+    tokens = 104_400
+    extra = (sizing.linear_call_bytes(tokens, 3 * 7168, 1, 0, 2)
+             - sizing.linear_call_bytes(tokens, 3 * 7168, 0, 0, 2))
+    assert extra / GiB == pytest.approx(4.18, abs=0.01)
+    assert extra == tokens * geometry.activation_bytes_per_token().qkv
+    # and it moves the attention phase's peak to the projection moment: x, h, qkv twice
+    lora = sizing.attention_phase_peak_bytes(tokens, adapters=Adapters(rank=0, qkv=1))
+    assert lora == tokens * (2 * 5376 + 2 * 3 * 7168) * 2
+
+
+def test_unchunked_peaks_follow_the_tensors_alive():
+    s, e = PASS2_15S, 2
+    dims = BlockDims()
+    x = s * dims.hidden * e
+    fc1 = s * 2 * dims.ffn * e
+    # twin MLP: x, h, fc1 and both SwiGLU temporaries at the multiply
+    assert sizing.mlp_phase_peak_bytes(s) == 2 * x + fc1 + 2 * (fc1 // 2)
+    # ComfyUI: fc1 still held while fc2 writes its output
+    comfy = sizing.mlp_phase_peak_bytes(s, kernels=Kernels(mlp="comfy"))
+    assert comfy == 2 * x + fc1 + fc1 // 2 + x
+    # LoRA on fc1: the base and the adapter outputs side by side
+    lora = sizing.mlp_phase_peak_bytes(s, adapters=LORA)
+    assert lora == 2 * x + 2 * fc1 + s * 128 * e
+    assert fc1 / GiB == pytest.approx(5.45, abs=0.01)
+
+
+def test_chunking_lowers_each_phase_and_more_chunks_lower_it_further():
+    plain = sizing.unchunked_block_peak_bytes(PASS2_15S, adapters=LORA)
+    previous = plain
+    for chunk in (51_200, 16_384, 4_096):
+        peak = sizing.block_peak_bytes(PASS2_15S, ffn_chunk=chunk, qkv_chunk=chunk,
+                                       head_group=14, adapters=LORA)
+        assert peak.attention_bytes < previous.attention_bytes
+        assert peak.mlp_bytes < previous.mlp_bytes
+        previous = peak
+    # what chunking cannot remove: x, the qkv buffer and the attention output buffer
+    floor = PASS2_15S * (5376 + 3 * 7168 + 7168) * 2
+    assert floor < previous.attention_bytes < floor * 1.1
+
+
+def test_head_groups_cap_attention_temporaries_only_when_they_dominate():
+    kernels = Kernels(attention_output_copy=True)
+    one_call = sizing.attention_phase_peak_bytes(PASS2_15S, qkv_chunk=8192, kernels=kernels)
+    grouped = sizing.attention_phase_peak_bytes(PASS2_15S, qkv_chunk=8192, head_group=8,
+                                                kernels=kernels)
+    assert grouped < one_call
+    no_copy = sizing.attention_phase_peak_bytes(PASS2_15S, qkv_chunk=8192, head_group=8)
+    assert no_copy <= grouped
+
+
+def test_choose_chunks_prefers_no_chunking_when_it_fits():
+    choice = sizing.choose_chunks(100 * GiB, PASS2_15S, adapters=LORA)
+    assert (choice.ffn_chunk, choice.qkv_chunk, choice.head_group) == (0, 0, 0) and choice.fits
+
+
+@pytest.mark.parametrize("free_gib", [11.0, 9.0, 7.5])
+def test_choose_chunks_fits_the_budget_with_the_least_chunking(free_gib):
+    free = int(free_gib * GiB)
+    choice = sizing.choose_chunks(free, PASS2_15S, adapters=LORA)
+    x = PASS2_15S * 5376 * 2
+    assert choice.fits and choice.peak.peak_bytes - x <= choice.budget_bytes
+    assert choice.ffn_chunk > 0  # the unchunked 13 GiB MLP peak cannot fit
+    if choice.qkv_chunk:  # a larger qkv chunk (or none) would not have fitted
+        bigger = sizing.attention_phase_peak_bytes(PASS2_15S, qkv_chunk=0,
+                                                   head_group=choice.head_group, adapters=LORA)
+        assert bigger - x > choice.budget_bytes
+
+
+def test_choose_chunks_reports_what_cannot_fit_and_keeps_given_values():
+    impossible = sizing.choose_chunks(GiB, PASS2_15S, adapters=LORA)
+    assert not impossible.fits and impossible.head_group == 1
+    kept = sizing.choose_chunks(9 * GiB, PASS2_15S, adapters=LORA, qkv_chunk=4096,
+                                head_group=0)
+    assert kept.qkv_chunk == 4096 and kept.head_group == 0 and kept.ffn_chunk > 0
+
+
+def test_auto_head_groups_only_where_each_call_keeps_enough_query_tiles():
+    tight = dict(adapters=LORA, kernels=Kernels(attention_output_copy=True), qkv_chunk=1024)
+    long_pass = sizing.choose_chunks(0, PASS2_15S, **tight)
+    assert long_pass.head_group == 1  # 1 head x 1,596 query tiles still avoids split-KV
+    short = sizing.choose_chunks(0, 8000, **tight)  # 125 tiles per head
+    assert short.head_group * 125 >= sizing.MIN_QUERY_TILES_PER_CALL
+
+
+def test_sizing_rejects_bad_values():
+    with pytest.raises(ValueError, match="ffn_chunk"):
+        sizing.mlp_phase_peak_bytes(100, ffn_chunk=-1)
+    with pytest.raises(ValueError, match="tokens"):
+        sizing.block_peak_bytes(-5)
+    with pytest.raises(ValueError, match="free_bytes"):
+        sizing.choose_chunks(-1, 100)
+    with pytest.raises(ValueError, match="mlp kernel"):
+        Kernels(mlp="fused")
