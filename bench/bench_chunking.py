@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and not torch.cuda.is_available():
         print("no GPU: run with --dry-run for the CPU path", file=sys.stderr)
         return 2
-    device = torch.device("cuda" if cuda else "cpu")
+    # set_per_process_memory_fraction needs an indexed device
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     meta: dict = {"torch": torch.__version__, "python": platform.python_version(),
                   "dry_run": args.dry_run, "args": {k: str(v) for k, v in vars(args).items()}}
     ballast = None

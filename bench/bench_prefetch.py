@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation-reserve-gib", type=float, default=12.0,
                         help="32 GB emulation: VRAM kept for activations at S=68,706")
     parser.add_argument("--skip-emulation", action="store_true")
+    parser.add_argument("--only-emulation", action="store_true",
+                        help="run only the 32 GB emulation (writes prefetch_emulation.json)")
     args = parser.parse_args(argv)
 
     out_dir = Path(args.out)
@@ -419,14 +421,17 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         payload = {"header": header, "results": results,
                    "elapsed_s": time.perf_counter() - started}
-        (out_dir / "prefetch.json").write_text(json.dumps(payload, indent=1, default=str))
+        name = "prefetch_emulation.json" if args.only_emulation else "prefetch.json"
+        (out_dir / name).write_text(json.dumps(payload, indent=1, default=str))
 
-    run_matrix(args, cfg, jobs, device, dtype, results, save)
+    if not args.only_emulation:
+        run_matrix(args, cfg, jobs, device, dtype, results, save)
     if not args.skip_emulation:
         run_emulation(args, emu_cfg, emu_job, device, dtype, results, save, cap)
     save()
     table = markdown_table(results)
-    (out_dir / "prefetch.md").write_text(table + "\n")
+    if not args.only_emulation:
+        (out_dir / "prefetch.md").write_text(table + "\n")
     print(table)
     print(f"wrote {out_dir / 'prefetch.json'} in {time.perf_counter() - started:.0f} s")
     return 0

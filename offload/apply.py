@@ -253,6 +253,14 @@ def _forward_patch(prefetch: BlockPrefetch, block_id: str, original: Callable) -
 
 def _wrapper(prefetch: BlockPrefetch) -> Callable:
     def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
+        if prefetch.device.type == "cuda":
+            # ComfyUI's kernels (comfy-kitchen's RoPE, current_stream) use the current device:
+            # a DiT on cuda:1 must run, and its blocks be prepared, with cuda:1 current
+            with torch.cuda.device(prefetch.device):
+                return run(executor, *args, **kwargs)
+        return run(executor, *args, **kwargs)
+
+    def run(executor: Callable, *args: Any, **kwargs: Any) -> Any:
         prefetch.prepare()
         options = kwargs.get("transformer_options")
         if options is None and len(args) > 3 and isinstance(args[3], dict):
