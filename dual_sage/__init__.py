@@ -1,19 +1,31 @@
-"""Dual-Sage: H3's attention heads sharded across GPUs, exact, overlapped with the root's work."""
+"""Dual-Sage: H3's attention heads sharded across GPUs, exact, overlapped with the root's work.
 
-from .apply import DualSageConfig, DualSageOverride, apply_dual_sage, status_text
-from .shard_plan import ShardPlan, parse_devices, parse_split, split_weighted
-from .sharded import ShardedAttention
-from .transport import TransportMode
+Names load lazily so `dual_sage.sizing` (pure Python) imports without torch: the planner uses it.
+"""
 
-__all__ = [
-    "DualSageConfig",
-    "DualSageOverride",
-    "ShardPlan",
-    "ShardedAttention",
-    "TransportMode",
-    "apply_dual_sage",
-    "parse_devices",
-    "parse_split",
-    "split_weighted",
-    "status_text",
-]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "DualSageConfig": "apply",
+    "DualSageOverride": "apply",
+    "apply_dual_sage": "apply",
+    "status_text": "apply",
+    "ShardPlan": "shard_plan",
+    "parse_devices": "shard_plan",
+    "parse_split": "shard_plan",
+    "split_weighted": "shard_plan",
+    "ShardedAttention": "sharded",
+    "TransportMode": "transport",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -1,6 +1,7 @@
 """Memory model: bytes each GPU holds in each phase of the two-pass job.
 
-Activation formulas count the tensors that are alive together at the worst moment of a DiT block,
+The per-block formulas live in `chunking/sizing.py` (one model of the block, used by the
+chunking code too); they count the tensors alive together at the worst moment of a DiT block,
 as the block is written upstream (and in our twin):
 - attention phase: residual x [S, C] and normed h [S, C] stay alive; qkv [S, 3I]; the attention
   output [S, I] (SDPA's flash layout makes the reshape a view on CUDA); an on-activation LoRA
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import geometry
+from ..chunking import sizing as block_sizing
 
 GiB = 1024**3
 
@@ -70,36 +72,27 @@ def block_activation_peak(
     chunks: ChunkSettings = ChunkSettings(),
     *,
     lora_on_activations: bool = False,
+    lora_rank: int = 128,
     fused_swiglu: bool = False,
     dual_sage_root_extra_per_token: int = 0,
 ) -> ActivationPeak:
-    """Peak bytes of one DiT block's activations for `tokens` rows."""
-    e = dims.element_bytes
-    c, i, f = dims.hidden * e, dims.inner * e, dims.ffn * e
-    s = tokens
-    residual = s * c
-    # ---- attention phase
-    normed = 0 if chunks.qkv_chunk else s * c  # the chunked path drops h once qkv is built
-    qkv = s * 3 * i
-    lora_qkv = 0
-    if lora_on_activations:
-        lora_qkv = (min(chunks.qkv_chunk, s) if chunks.qkv_chunk else s) * 3 * i
-    projection_moment = residual + s * c + qkv + lora_qkv
-    if chunks.head_group:
-        group = min(chunks.head_group, dims.heads)
-        attn_temp = s * i + s * group * dims.head_dim * e  # preallocated out + one group's out
-    else:
-        attn_temp = s * i
-    attention_moment = residual + normed + qkv + attn_temp + s * dual_sage_root_extra_per_token
-    attention = max(projection_moment, attention_moment)
-    # ---- MLP phase
-    rows = min(chunks.ffn_chunk, s) if chunks.ffn_chunk else s
-    swiglu_temps = 1 if fused_swiglu else 2  # silu(gate) temporary + product, or product only
-    fc1_moment = rows * 2 * f + (rows * 2 * f if lora_on_activations else 0)
-    swiglu_moment = rows * 2 * f + rows * f * swiglu_temps
-    fc2_moment = rows * f + rows * c
-    mlp = residual + s * c + max(fc1_moment, swiglu_moment, fc2_moment)
-    return ActivationPeak(attention, mlp, s * ROPE_BYTES_PER_TOKEN)
+    """Peak bytes of one DiT block's activations for `tokens` rows.
+
+    The block itself is modelled once, in `chunking.sizing` (it follows the chunked code's
+    allocations and the plain block's); this adds what the planner knows beyond one block:
+    the RoPE table alive across all blocks and Dual-Sage's root-side gather of the helper heads.
+    """
+    adapters = (block_sizing.Adapters(rank=lora_rank, qkv=1, fc1=1) if lora_on_activations
+                else block_sizing.Adapters())
+    kernels = block_sizing.Kernels(mlp="comfy" if fused_swiglu else "twin")
+    sdims = block_sizing.BlockDims(dims.hidden, dims.heads, dims.head_dim, dims.ffn,
+                                   dims.element_bytes)
+    peak = block_sizing.block_peak_bytes(tokens, sdims, ffn_chunk=chunks.ffn_chunk,
+                                         qkv_chunk=chunks.qkv_chunk,
+                                         head_group=chunks.head_group, adapters=adapters,
+                                         kernels=kernels)
+    attention = peak.attention_bytes + tokens * dual_sage_root_extra_per_token
+    return ActivationPeak(attention, peak.mlp_bytes, tokens * ROPE_BYTES_PER_TOKEN)
 
 
 def unchunked_peak_per_token(dims: BlockDims = BlockDims(), lora: bool = False) -> int:

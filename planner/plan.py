@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .. import geometry
+from ..dual_sage import sizing as dual_sage_sizing
 from . import timing
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, dit_sizes_from_file
 from .hardware import GiB, HardwareProfile, detect_hardware, get_profile
@@ -239,7 +240,9 @@ def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1
     """Chunking and residency on the root GPU from what is left after the fixed weights."""
     root_gpu = profile.gpus[root]
     lora = request.lora_rank > 0
-    root_extra = (3 * sum(dual.split[1:]) * dims.head_dim * dims.element_bytes
+    # Dual-Sage's contiguous send/receive buffers for the helper heads, per token
+    root_extra = (dual_sage_sizing.root_extra_bytes(1, sum(dual.split[1:]), dims.head_dim,
+                                                    element_bytes=dims.element_bytes)
                   if dual.enabled else 0)
     reserve = reserve_bytes(root_gpu.memory_bytes)
     fixed = sizes.dit_other_bytes + sizes.lora_bytes

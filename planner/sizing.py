@@ -1,28 +1,23 @@
 """Workspace estimates for the helper GPU's phases (pure arithmetic, no torch).
 
-The Dual-Sage helper workspace mirrors `dual_sage/`: the helper's share of q, k, v and its
-output travel in head chunks through a small ring of buffers, so the helper holds
-`ring x chunk_heads` heads' worth of q, k, v and output at a time. The latent-upscaler and VAE
+The Dual-Sage helper workspace comes from `dual_sage/sizing.py` (its ring of head chunks).
+The latent-upscaler and VAE
 numbers are estimates (we cannot run the real weights here) and are labelled as such in reports.
 """
 
 from __future__ import annotations
 
 from .. import geometry
+from ..dual_sage import sizing as dual_sage_sizing
 
-HELPER_CHUNK_HEADS = 7  # heads per transfer chunk
-HELPER_RING = 2  # chunk buffers in flight on the helper
 UPSCALER_CHANNELS = 512
 UPSCALER_LIVE_TENSORS = 3
 UPSCALER_SLAB_FRAMES = 8  # latent frames per temporal slab of the 3D convs
 
 
-def dual_sage_helper_workspace(tokens: int, helper_heads: int, head_dim: int = geometry.HEAD_DIM,
-                               element_bytes: int = 2, chunk_heads: int = HELPER_CHUNK_HEADS,
-                               ring: int = HELPER_RING) -> int:
-    """Bytes a helper GPU holds for its attention share: q, k, v and out per buffered chunk."""
-    heads_held = min(helper_heads, chunk_heads * ring)
-    return 4 * heads_held * tokens * head_dim * element_bytes
+def dual_sage_helper_workspace(tokens: int, helper_heads: int) -> int:
+    """Bytes a helper GPU holds for its attention share (Dual-Sage's ring of head chunks)."""
+    return dual_sage_sizing.helper_workspace_bytes(tokens, helper_heads, geometry.HEAD_DIM)
 
 
 def upscale_workspace(pass1: geometry.PassGeometry, pass2: geometry.PassGeometry) -> int:

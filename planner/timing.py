@@ -1,9 +1,8 @@
 """Time model: FLOPs over effective throughput, bytes over link bandwidth.
 
 Per DiT block at S tokens: four linears (`geometry.linear_flops_per_token * S`) and one attention
-call (`4 S^2 d H`). Dual-Sage moves a share of the heads to helper GPUs: the root attends its
-heads while the helper's q, k, v travel in chunks, are attended on the helper and come back; with
-copies overlapped the call takes the longer of the two sides plus one chunk's latency. Streaming a
+call (`4 S^2 d H`). Dual-Sage moves a share of the heads to helper GPUs (its time model lives in
+`dual_sage/sizing.py`). Streaming a
 block's weights costs nothing while the copy (on its own stream) is shorter than the previous
 block's compute, and the difference when it is longer.
 """
@@ -13,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import geometry
+from ..dual_sage import sizing as dual_sage_sizing
 from .hardware import GB, GPUSpec, LinkSpec
-
-TRANSFER_CHUNKS = 4  # head chunks per call (latency of one chunk is not hidden)
 
 
 @dataclass(frozen=True)
@@ -57,37 +55,41 @@ def split_heads_by_throughput(gpus: list[GPUSpec], heads: int = geometry.HEADS) 
     return tuple(split)
 
 
+def _link_args(link: LinkSpec) -> dict:
+    # a host relay crosses the bus twice; dual_sage.sizing counts the two hops itself
+    if link.peer_access:
+        return {"link_gbps": link.peer_gbs, "host_relay": False}
+    return {"link_gbps": link.host_pinned_gbs, "host_relay": True}
+
+
 def dual_sage_attention_time_s(tokens: int, root: GPUSpec, helpers: list[GPUSpec],
                                link: LinkSpec, split: tuple[int, ...], *,
                                head_dim: int = geometry.HEAD_DIM, element_bytes: int = 2,
                                quantized: bool = False) -> float:
-    """One attention call with `split[0]` heads on the root and `split[1:]` on the helpers."""
-    root_s = attention_time_s(tokens, root, split[0], quantized)
-    # the root gathers the helpers' q, k, v into contiguous buffers before its own attention
+    """One attention call with `split[0]` heads on the root and `split[1:]` on the helpers.
+
+    Dual-Sage's own model (`dual_sage.sizing.predict_split_ms`), plus the root's gather of the
+    helper heads' strided q, k, v into contiguous send buffers before its own attention: at
+    35k tokens on an H200 that gather is what separates 1.86x from 2x.
+    """
+    def rate(gpu: GPUSpec) -> float:
+        if quantized and gpu.int8_attention_tflops:
+            return gpu.int8_attention_tflops
+        return gpu.attention_tflops
+
+    split_ms = dual_sage_sizing.predict_split_ms(
+        tokens, head_dim, split, tflops=[rate(root)] + [rate(g) for g in helpers],
+        element_bytes=element_bytes, **_link_args(link))
     gather_bytes = 2 * 3 * sum(split[1:]) * head_dim * tokens * element_bytes  # read + write
-    root_s += gather_bytes / (root.memory_bandwidth_gbs * GB)
-    slowest = 0.0
-    bandwidth = link.helper_gbs * GB
-    for gpu, heads in zip(helpers, split[1:], strict=True):
-        send = 3 * heads * head_dim * tokens * element_bytes / bandwidth
-        back = heads * head_dim * tokens * element_bytes / bandwidth
-        compute = attention_time_s(tokens, gpu, heads, quantized)
-        # chunks overlap: the longer of compute and traffic, plus one chunk's latency each way
-        side = max(compute, send + back) + (send + back) / TRANSFER_CHUNKS
-        slowest = max(slowest, side)
-    return max(root_s, slowest)
+    return split_ms / 1e3 + gather_bytes / (root.memory_bandwidth_gbs * GB)
 
 
 def choose_min_tokens(root: GPUSpec, helpers: list[GPUSpec], link: LinkSpec,
-                      split: tuple[int, ...], *, min_gain: float = 1.05) -> int:
-    """Smallest S at which the split call beats the root alone by `min_gain` (never slower)."""
-    s = 256
-    while s < 1 << 22:
-        single = attention_time_s(s, root)
-        if single / dual_sage_attention_time_s(s, root, helpers, link, split) >= min_gain:
-            return s
-        s = int(s * 1.25)
-    return 1 << 22
+                      split: tuple[int, ...]) -> int:
+    """Smallest S at which the split call beats the root alone (never slower below it)."""
+    return dual_sage_sizing.choose_min_tokens(
+        geometry.HEAD_DIM, split, tflops=[root.attention_tflops]
+        + [g.attention_tflops for g in helpers], **_link_args(link))
 
 
 def block_copy_time_s(block_bytes: int, link: LinkSpec, pinned: bool = True) -> float:
