@@ -160,13 +160,23 @@ def bench_step(args, root, helper) -> dict:
     inputs = make_inputs(cfg, dtype=dtype, device=root, **dims)
     small = make_inputs(cfg, dtype=dtype, device=root, latent_t=2, latent_h=8, latent_w=8,
                         audio_t=4, text_len=16)
-    plain = TwinPatcher(model, load_device=root)
+    base = TwinPatcher(model, load_device=root)
+    plain = base
+    backend = args.step_backend
+    if backend != "sdpa":
+        # the single-GPU baseline runs the same kernel, installed as the model's attention
+        plain = base.clone()
+        plain.set_model_optimized_attention(
+            lambda func, q, k, v, heads, **kw: attention(q, k, v, backend=backend, output="BSF"))
     helpers = ("cpu",) if root.type == "cpu" else (str(helper),)
-    dual = apply_dual_sage(plain, DualSageConfig(helpers=helpers, backend="sdpa",
-                                                 min_tokens=0 if args.dry_run else None))
+    dual = apply_dual_sage(base, DualSageConfig(helpers=helpers, backend=backend,
+                                                min_tokens=0 if args.dry_run else None))
     results = {}
     outputs = {}
-    for name, patcher in (("single", plain), ("dual_sage", dual)):
+    cases = [("single", plain), ("dual_sage", dual)]
+    if backend != "sdpa":
+        cases.insert(0, ("single_sdpa", base))
+    for name, patcher in cases:
         patcher.apply_model(*small)  # kernels and handles warm, without the big allocations
         times = []
         for _ in range(args.step_reps):
@@ -181,7 +191,9 @@ def bench_step(args, root, helper) -> dict:
     identical = all(torch.equal(a, b) for a, b in zip(outputs["single"], outputs["dual_sage"],
                                                       strict=True))
     status = dual.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
-    row = dict(blocks=cfg.blocks, tokens_video_audio=seq, text_len=dims["text_len"],
+    row = dict(backend=backend, blocks=cfg.blocks, tokens_video_audio=seq,
+               text_len=dims["text_len"],
+               single_sdpa_ms=round(results.get("single_sdpa", results["single"]), 1),
                single_ms=round(results["single"], 1), dual_sage_ms=round(results["dual_sage"], 1),
                speedup=round(results["single"] / results["dual_sage"], 3),
                bit_identical=identical, status=status)
@@ -214,6 +226,9 @@ def main(argv=None) -> int:
     parser.add_argument("--step-reps", type=int, default=1)
     parser.add_argument("--text-len", type=int, default=256)
     parser.add_argument("--skip-step", action="store_true")
+    parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--step-backend", default="sdpa",
+                        help="attention backend of the step (single GPU and Dual-Sage alike)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.dry_run:
@@ -237,7 +252,8 @@ def main(argv=None) -> int:
         stack.enter_context(torch.no_grad())
         if root.type == "cuda":  # the DiT runs with its root GPU current, as in production
             stack.enter_context(torch.cuda.device(root))
-        rows = bench_attention(args, root, helper, heads, head_dim, dtype, sizes)
+        rows = [] if args.skip_attention else bench_attention(args, root, helper, heads,
+                                                              head_dim, dtype, sizes)
         report["attention"] = rows
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

@@ -203,19 +203,20 @@ class ChunkedBlockForward:
 
 
 def free_device_bytes(device: torch.device) -> int | None:
-    """Bytes the caching allocator can still hand out on `device`; None off-GPU.
+    """Bytes the caching allocator can surely still hand out on `device`; None off-GPU.
 
-    Free device memory plus the allocator's reserved-but-unused blocks, capped by a per-process
-    memory fraction when one is set.
+    Free device memory, capped by a per-process memory fraction when one is set. The
+    allocator's reserved-but-unused blocks are not counted: they are often fragments too small
+    for a multi-GiB activation (seen on an H200 capped at 32 GiB: 3.75 GiB reserved but unused,
+    and a 4.1 GiB request failed).
     """
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
-    allocated = torch.cuda.memory_allocated(device)
-    available = free + (reserved - allocated)
+    available = free
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if get_fraction is not None:
         cap = int(total * get_fraction(device))
-        available = min(available, cap - allocated)
+        available = min(available, cap - reserved)
     return max(available, 0)

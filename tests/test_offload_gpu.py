@@ -110,7 +110,8 @@ def test_out_of_budget_arena_falls_back_to_staging():
 def test_root_on_second_gpu_keeps_streams_there():
     model, inputs = build(MEDIUM, "cuda:1")
     base = TwinPatcher(model, load_device="cuda:1")
-    ref = base.apply_model(*inputs)
+    with torch.cuda.device(1):  # the plain twin, like ComfyUI, needs its device current
+        ref = base.apply_model(*inputs)
     patched = apply_block_prefetch(base, PrefetchConfig(resident_blocks=3, lookahead=2))
     with torch.cuda.device(0):  # a current device other than the root must not matter
         for _ in range(2):
