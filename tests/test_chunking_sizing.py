@@ -118,7 +118,9 @@ def test_choose_chunks_fits_the_budget_with_the_least_chunking(free_gib):
 
 def test_choose_chunks_reports_what_cannot_fit_and_keeps_given_values():
     impossible = sizing.choose_chunks(GiB, PASS2_15S, adapters=LORA)
-    assert not impossible.fits and impossible.head_group == 1
+    # the most aggressive exact settings: 4 heads per call, chunks of at least 4096 rows
+    assert not impossible.fits and impossible.head_group == min(sizing.HEAD_GROUP_CANDIDATES)
+    assert impossible.ffn_chunk >= sizing.MIN_AUTO_CHUNK_ROWS
     kept = sizing.choose_chunks(9 * GiB, PASS2_15S, adapters=LORA, qkv_chunk=4096,
                                 head_group=0)
     assert kept.qkv_chunk == 4096 and kept.head_group == 0 and kept.ffn_chunk > 0
@@ -127,7 +129,7 @@ def test_choose_chunks_reports_what_cannot_fit_and_keeps_given_values():
 def test_auto_head_groups_only_where_each_call_keeps_enough_query_tiles():
     tight = dict(adapters=LORA, kernels=Kernels(attention_output_copy=True), qkv_chunk=1024)
     long_pass = sizing.choose_chunks(0, PASS2_15S, **tight)
-    assert long_pass.head_group == 1  # 1 head x 1,596 query tiles still avoids split-KV
+    assert long_pass.head_group == 4  # the smallest group "auto" uses
     short = sizing.choose_chunks(0, 8000, **tight)  # 125 tiles per head
     assert short.head_group * 125 >= sizing.MIN_QUERY_TILES_PER_CALL
 
