@@ -75,10 +75,9 @@ def reset_peak(device: torch.device) -> None:
 
 def bench_attention(args, root, helper, heads, head_dim, dtype, sizes) -> list[dict]:
     rows = []
-    backends = ["sdpa"]
-    ck = {r.name: r for r in list_backends()}.get("ck_int8")
-    if ck is not None and ck.available and root.type == "cuda":
-        backends.append("ck_int8")
+    available = {r.name: r.available for r in list_backends()}
+    backends = [b for b in args.backends.split(",")
+                if available.get(b) and (b == "sdpa" or root.type == "cuda")]
     for seq_len in sizes:
         views = strided_qkv(seq_len, heads, head_dim, dtype, root)
         for backend in backends:
@@ -89,14 +88,17 @@ def bench_attention(args, root, helper, heads, head_dim, dtype, sizes) -> list[d
                 lambda b=backend, t=views: attention(*t, backend=b, output="BSF"), (root,), reps)
             transports = [TransportMode.PEER, TransportMode.HOST] if backend == "sdpa" \
                 else [TransportMode.PEER]
-            for transport in transports:
+            variants = [(t, c) for t in transports for c in args.chunk_heads]
+            for transport, chunk_heads in variants:
                 shard = ShardedAttention(ShardPlan((root, helper), (heads // 2, heads // 2)),
-                                         backend=backend, transport=transport, min_tokens=0)
+                                         backend=backend, transport=transport, min_tokens=0,
+                                         chunk_heads=chunk_heads)
                 shard(*views)  # allocates the workspace (and pinned slots) once
                 reset_peak(helper)
                 split_ms, out = timed_ms(lambda s=shard, t=views: s(*t), (root, helper),
                                          reps)
                 row = dict(S=seq_len, backend=backend, transport=transport.value,
+                           chunk_heads=chunk_heads,
                            single_ms=round(single_ms, 2), split_ms=round(split_ms, 2),
                            speedup=round(single_ms / split_ms, 3),
                            bit_identical=bool(torch.equal(out, single)),
@@ -227,6 +229,9 @@ def main(argv=None) -> int:
     parser.add_argument("--text-len", type=int, default=256)
     parser.add_argument("--skip-step", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--chunk-heads", type=lambda t: [int(x) for x in t.split(",")],
+                        default=[4], help="helper heads per transfer chunk, e.g. 4 or 2,4,7,14")
+    parser.add_argument("--backends", default="sdpa,ck_int8")
     parser.add_argument("--step-backend", default="sdpa",
                         help="attention backend of the step (single GPU and Dual-Sage alike)")
     args = parser.parse_args(argv)
