@@ -7,22 +7,28 @@ a budget, a staging ring beyond), `slots` (the device slot ring). When it moves:
 the planner, torch-free: `sizing`. ComfyUI seam: `apply`.
 """
 
-from .apply import (
-    BlockPrefetch,
-    PrefetchConfig,
-    apply_block_prefetch,
-    get_block_prefetch,
-)
-from .policy import spread_resident, streamed_order
-from .streamer import BlockStreamer, Source
+from __future__ import annotations
 
-__all__ = [
-    "BlockPrefetch",
-    "BlockStreamer",
-    "PrefetchConfig",
-    "Source",
-    "apply_block_prefetch",
-    "get_block_prefetch",
-    "spread_resident",
-    "streamed_order",
-]
+from importlib import import_module
+from typing import Any
+
+# names load lazily so `offload.sizing` (pure Python) imports without torch for the planner
+_LAZY = {
+    "BlockPrefetch": "apply",
+    "PrefetchConfig": "apply",
+    "apply_block_prefetch": "apply",
+    "get_block_prefetch": "apply",
+    "spread_resident": "policy",
+    "streamed_order": "policy",
+    "BlockStreamer": "streamer",
+    "Source": "streamer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field, replace
 
 from .. import geometry
 from ..dual_sage import sizing as dual_sage_sizing
+from ..offload import sizing as offload_sizing
 from . import timing
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, dit_sizes_from_file
 from .hardware import GiB, HardwareProfile, detect_hardware, get_profile
 from .memory import BlockDims, ChunkSettings, block_activation_peak, choose_chunks
 
-LOOKAHEAD = 2  # device slots for streamed blocks (copy of block i+2 in flight while i runs)
+LOOKAHEAD = 2  # copies run 2 streamed blocks ahead, into K + 1 = 3 device slots
 DECODE_SLAB_FRAMES = 9  # output frames the video VAE decodes at once (estimate)
 DECODE_BYTES_PER_PIXEL = 512  # live decoder activations per output pixel-frame (estimate)
 TEXT_ENCODER_WORKSPACE = int(0.75 * GiB)
@@ -316,11 +317,11 @@ def _plan_prefetch(request: PlanRequest, profile: HardwareProfile, sizes: Compon
     pinned_budget = int(profile.host_ram_bytes * request.pinned_fraction)
     if request.resident_blocks is not None:
         resident = request.resident_blocks
-    elif free_for_blocks >= geometry.BLOCKS * block:
-        resident = geometry.BLOCKS
     else:
-        resident = max(0, (free_for_blocks - LOOKAHEAD * block) // block)
-        resident = min(resident, geometry.BLOCKS)
+        # offload/'s own arithmetic: all blocks, or the count that leaves room for K + 1 slots
+        resident = offload_sizing.resident_blocks_for_budget(
+            max(free_for_blocks, 0), blocks=geometry.BLOCKS, block_bytes=block,
+            lookahead=LOOKAHEAD)
     streamed = geometry.BLOCKS - resident
     if streamed == 0:
         return PrefetchPlan(resident, 0, 0, 0, "none", "all 50 blocks fit on the root GPU")
@@ -340,9 +341,10 @@ def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1
     from .sizing import dual_sage_helper_workspace, upscale_workspace, vae_decode_workspace
 
     gpus = []
-    slots = prefetch.lookahead * sizes.dit_block_bytes if prefetch.streamed_blocks else 0
-    dit_weights = (sizes.dit_other_bytes + sizes.lora_bytes
-                   + prefetch.resident_blocks * sizes.dit_block_bytes + slots)
+    dit_weights = sizes.dit_other_bytes + sizes.lora_bytes + \
+        offload_sizing.streamed_weight_vram_bytes(
+            blocks=geometry.BLOCKS, resident=prefetch.resident_blocks,
+            block_bytes=sizes.dit_block_bytes, lookahead=prefetch.lookahead)
     for index, spec in enumerate(profile.gpus):
         is_root, is_helper = index == root, index in helpers or not helpers
         role = "root+helper" if is_root and not helpers else ("root" if is_root else "helper")
@@ -388,11 +390,12 @@ def _step_time(tokens, profile, root, helpers, dual, prefetch, sizes, quantized)
     else:
         attention = timing.attention_time_s(tokens, root_gpu, quantized=quantized)
     block = linear + attention
-    overhead = 0.0
-    if prefetch.streamed_blocks:
-        copy = timing.block_copy_time_s(sizes.dit_block_bytes, profile.link,
-                                        pinned=prefetch.source == "pinned")
-        overhead = prefetch.streamed_blocks * timing.streaming_overhead_s(block, copy)
+    copy = timing.block_copy_time_s(sizes.dit_block_bytes, profile.link,
+                                    pinned=prefetch.source == "pinned")
+    # resident blocks are spread among streamed ones, giving each copy more compute to hide in
+    overhead = offload_sizing.step_overhead_seconds(
+        blocks=geometry.BLOCKS, streamed=prefetch.streamed_blocks, block_compute_s=block,
+        block_copy_s=copy)
     return geometry.BLOCKS * block + overhead
 
 

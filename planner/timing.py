@@ -96,7 +96,3 @@ def block_copy_time_s(block_bytes: int, link: LinkSpec, pinned: bool = True) -> 
     rate = link.host_pinned_gbs if pinned else link.host_pageable_gbs
     return block_bytes / (rate * GB)
 
-
-def streaming_overhead_s(block_compute_s: float, copy_s: float) -> float:
-    """Per streamed block: the part of the copy the previous block's compute does not hide."""
-    return max(0.0, copy_s - block_compute_s)
