@@ -18,23 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import geometry
 from ..chunking import sizing as block_sizing
 
 GiB = 1024**3
 
 
-@dataclass(frozen=True)
-class BlockDims:
-    hidden: int = geometry.HIDDEN
-    heads: int = geometry.HEADS
-    head_dim: int = geometry.HEAD_DIM
-    ffn: int = geometry.FFN
-    element_bytes: int = 2
-
-    @property
-    def inner(self) -> int:
-        return self.heads * self.head_dim
+BlockDims = block_sizing.BlockDims  # one definition of a block's widths, shared with chunking/
 
 
 @dataclass(frozen=True)
@@ -85,9 +74,7 @@ def block_activation_peak(
     adapters = (block_sizing.Adapters(rank=lora_rank, qkv=1, fc1=1) if lora_on_activations
                 else block_sizing.Adapters())
     kernels = block_sizing.Kernels(mlp="comfy" if fused_swiglu else "twin")
-    sdims = block_sizing.BlockDims(dims.hidden, dims.heads, dims.head_dim, dims.ffn,
-                                   dims.element_bytes)
-    peak = block_sizing.block_peak_bytes(tokens, sdims, ffn_chunk=chunks.ffn_chunk,
+    peak = block_sizing.block_peak_bytes(tokens, dims, ffn_chunk=chunks.ffn_chunk,
                                          qkv_chunk=chunks.qkv_chunk,
                                          head_group=chunks.head_group, adapters=adapters,
                                          kernels=kernels)
