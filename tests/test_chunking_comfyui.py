@@ -23,11 +23,14 @@ pytestmark = pytest.mark.comfyui
 @pytest.fixture(scope="module")
 def comfy_h3():
     sys.path.insert(0, os.environ["COMFYUI_PATH"])
-    import comfy.model_management as mm
-    import comfy.ops
-    from comfy.ldm.minimax import model as h3
-    from comfy.weight_adapter.bypass import BypassForwardHook
-    from comfy.weight_adapter.lora import LoRAAdapter
+    try:
+        import comfy.model_management as mm
+        import comfy.ops
+        from comfy.ldm.minimax import model as h3
+        from comfy.weight_adapter.bypass import BypassForwardHook
+        from comfy.weight_adapter.lora import LoRAAdapter
+    except ImportError as exc:  # an older ComfyUI (no H3) or its requirements not installed here
+        pytest.skip(f"ComfyUI's H3 model cannot be imported in this Python: {exc}")
 
     return h3, comfy.ops, mm, BypassForwardHook, LoRAAdapter
 
