@@ -176,3 +176,29 @@ def test_planner_imports_without_torch():
 
     code = "import sys, h3_multigpu.planner, h3_multigpu.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_detect_hardware_reads_the_gpus_torch_sees(monkeypatch):
+    import types
+
+    import torch
+
+    from h3_multigpu.planner import detect_hardware
+
+    props = [types.SimpleNamespace(name="NVIDIA GeForce RTX 5060 Ti", total_memory=16 * GiB),
+             types.SimpleNamespace(name="AMD Radeon AI PRO R9700", total_memory=32 * GiB)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    profile = detect_hardware()
+    assert [g.name for g in profile.gpus] == [p.name for p in props]
+    assert [g.memory_bytes for g in profile.gpus] == [16 * GiB, 32 * GiB]
+    assert not profile.link.peer_access
+    # unequal cards: the planner weights the head split by each card's attention rate
+    plan = plan_job(PlanRequest(seconds=10, profile=profile))
+    assert plan.dual_sage.enabled and sum(plan.dual_sage.split) == 56
+    assert plan.dual_sage.split[0] > plan.dual_sage.split[1]  # the root (R9700) is faster
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="no CUDA/ROCm GPU"):
+        detect_hardware()
