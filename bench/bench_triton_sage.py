@@ -62,13 +62,7 @@ def h3_views(s: int, heads: int = HEADS, seed: int = 0
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 16384
               ) -> torch.Tensor:
-    """fp32 attention, queries in chunks so no S x S matrix is held."""
-    out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    kf, vf = k.float(), v.float()
-    for start in range(0, q.shape[2], chunk):
-        out[:, :, start:start + chunk] = F.scaled_dot_product_attention(
-            q[:, :, start:start + chunk].float(), kf, vf)
-    return out
+    return ts.reference_attention_fp32(q, k, v, chunk)
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -77,9 +77,7 @@ class ShardedAttention:
         backend = get_backend(self.backend_name)
         b, heads, seq_len, _ = q_BHSD.shape
         if b != 1 or seq_len < self.min_tokens:
-            self.last_route = "root"
-            return attention(q_BHSD, k_BHSD, v_BHSD, backend=backend.name, scale=scale,
-                             output="BSF")
+            return self._on_root("root", backend, q_BHSD, k_BHSD, v_BHSD, scale)
         problems = backend.violations(q_BHSD, k_BHSD, v_BHSD)
         if problems:
             raise ValueError(f"attention backend {backend.name!r} cannot run this call: "
@@ -88,9 +86,7 @@ class ShardedAttention:
             warn_once(self.plan.describe(),
                       f"Dual-Sage root moved: attention runs on {q_BHSD.device}, the plan's root "
                       f"is {self.plan.root}; computing all heads there")
-            self.last_route = "root"
-            return attention(q_BHSD, k_BHSD, v_BHSD, backend=backend.name, scale=scale,
-                             output="BSF")
+            return self._on_root("root", backend, q_BHSD, k_BHSD, v_BHSD, scale)
         try:
             return self._split(backend, q_BHSD, k_BHSD, v_BHSD, scale)
         except _HelperFailure as exc:
@@ -98,9 +94,12 @@ class ShardedAttention:
             warn_once(self.plan.describe(),
                       f"Dual-Sage helper failed: {type(cause).__name__}: {cause}; computing all "
                       f"heads on {q_BHSD.device} for this call (plan {self.plan.describe()})")
-            self.last_route = "fallback"
-            return attention(q_BHSD, k_BHSD, v_BHSD, backend=backend.name, scale=scale,
-                             output="BSF")
+            return self._on_root("fallback", backend, q_BHSD, k_BHSD, v_BHSD, scale)
+
+    def _on_root(self, route: str, backend, q_BHSD, k_BHSD, v_BHSD, scale) -> torch.Tensor:
+        """All heads on the device of the inputs, with the same backend (the exact reference)."""
+        self.last_route = route
+        return attention(q_BHSD, k_BHSD, v_BHSD, backend=backend.name, scale=scale, output="BSF")
 
     def status(self) -> str:
         modes = {str(s.lane.helper): s.mode.value for s in self._helpers.values()}

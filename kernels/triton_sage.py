@@ -240,3 +240,17 @@ def _run(kern: ModuleType, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: t
 
 __all__ = ["CONSTRAINTS", "attention_with_config", "fp8_supported", "is_available",
            "triton_sage_attention"]
+
+
+def reference_attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             chunk: int = 8192) -> torch.Tensor:
+    """fp32 attention `[B, H, S, D] -> [B, H, S, D]`, queries in chunks (no S x S matrix held).
+
+    The accuracy reference of this kernel's tests and benchmark.
+    """
+    out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    kf, vf = k.float(), v.float()
+    for start in range(0, q.shape[2], chunk):
+        out[:, :, start:start + chunk] = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, start:start + chunk].float(), kf, vf)
+    return out

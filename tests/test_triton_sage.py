@@ -39,13 +39,7 @@ def qkv_views(buf_SE: torch.Tensor, heads_total: int, heads: int, d: int = 128
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 8192
               ) -> torch.Tensor:
-    """fp32 attention, in chunks of queries so no S x S matrix is held."""
-    out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    kf, vf = k.float(), v.float()
-    for start in range(0, q.shape[2], chunk):
-        out[:, :, start:start + chunk] = F.scaled_dot_product_attention(
-            q[:, :, start:start + chunk].float(), kf, vf)
-    return out
+    return ts.reference_attention_fp32(q, k, v, chunk)
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

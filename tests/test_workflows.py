@@ -16,7 +16,8 @@ from h3_multigpu.nodes import inputs
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "workflows"
 DATA = Path(__file__).resolve().parent / "data"
-TEMPLATES = Path("/work/shared/reference/templates")
+# the project's shared/ folder sits beside the checkout (CI lays a copy there too)
+TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "templates"
 NAMES = ("h3_multigpu_two_pass_t2v", "h3_multigpu_two_pass_i2v")
 TITLES = ("Prompt", "Seconds", "Seed", "PASS1 Width", "PASS1 Height", "PASS2 Width",
           "PASS2 Height", "PASS1 Steps", "PASS2 Steps", "Turbo LoRA", "Save Video")
