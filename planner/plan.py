@@ -61,8 +61,9 @@ class PlanRequest:
             allowed = ("auto", "on", "off")
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not valid; use one of {allowed}")
-        if self.lora_rank < 0 or self.text_tokens < 0:
-            raise ValueError("lora_rank and text_tokens must be >= 0")
+        for name in ("lora_rank", "text_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = none)")
         if self.resident_blocks is not None and not 0 <= self.resident_blocks <= geometry.BLOCKS:
             raise ValueError(f"resident_blocks={self.resident_blocks} must be between 0 and "
                              f"{geometry.BLOCKS}")

@@ -101,6 +101,7 @@ def test_chunking_lowers_peak_and_choose_chunks_respects_budget():
     (dict(dual_sage="maybe"), "dual_sage='maybe'"),
     (dict(resident_blocks=51), "resident_blocks=51"),
     (dict(dit_dtype="fp4"), "dit_dtype 'fp4'"),
+    (dict(lora_rank=-1), "lora_rank=-1 must be >= 0"),
 ])
 def test_bad_requests(kwargs, match):
     with pytest.raises(ValueError, match=match):
