@@ -28,11 +28,11 @@ def _load(module: str, *names: str) -> tuple[Any, ...]:
         raise FeatureUnavailable(f"{module} is not available in this install ({exc})") from exc
 
 
-def dual_sage_config(*, helpers: str, split: str, backend: str = "sdpa",
-                     min_tokens: str = "auto"):
+def dual_sage_config(*, helpers: str, split: str, backend: str = "comfyui",
+                     min_tokens: str = "auto", exact_only: bool = True):
     (config_cls,) = _load("dual_sage", "DualSageConfig")
     return config_cls.from_strings(helpers=helpers, split=split, backend=backend,
-                                   min_tokens=min_tokens)
+                                   min_tokens=min_tokens, exact_only=exact_only)
 
 
 def chunking_config(*, ffn_chunk: str, qkv_chunk: str = "auto", head_group: str = "auto"):
@@ -104,7 +104,7 @@ def plan_feature_strings(plan: Any) -> dict[str, dict[str, str] | str]:
         out["dual_sage"] = {
             "helpers": ",".join(f"gpu:{i}" for i in dual.helper_devices),
             "split": ":".join(str(h) for h in dual.split),
-            "backend": "sdpa",  # exact by default; faster backends are opt-in on the node
+            "backend": "comfyui",  # ComfyUI's own attention, sharded: exact by default
             "min_tokens": str(dual.min_tokens),
         }
     else:
@@ -125,6 +125,29 @@ def plan_feature_strings(plan: Any) -> dict[str, dict[str, str] | str]:
     return out
 
 
+def dual_sage_for_placement(options: dict[str, str], plan: Any, placement: Placement
+                            ) -> dict[str, str]:
+    """The plan's Dual-Sage options for the GPUs the placement really uses.
+
+    The DiT runs on `placement.root` and the placement's helper is Dual-Sage's first helper:
+    the Advanced node's root_gpu/helper_gpu overrides (a role swap, another helper of 3+ GPUs)
+    replace the plan's. The plan's other helpers stay unless one of them is now the root. The
+    plan's head split follows its devices (its counts read as throughputs; 'auto' when a device
+    is new to the plan).
+    """
+    dual = plan.dual_sage
+    plan_devices = [getattr(plan, "root_device", None), *dual.helper_devices]
+    helpers = [placement.helper, *(h for h in dual.helper_devices
+                                   if h not in (placement.root, placement.helper))]
+    devices = [placement.root, *helpers]
+    if devices == plan_devices:
+        return options
+    share = dict(zip(plan_devices, dual.split, strict=False))
+    split = "auto" if any(d not in share for d in devices) else \
+        ":".join(f"{float(share[d]):.1f}" for d in devices)
+    return {**options, "helpers": ",".join(f"gpu:{i}" for i in helpers), "split": split}
+
+
 def apply_plan(model: Any, plan: Any, placement: Placement,
                disabled: tuple[str, ...] = ()) -> tuple[Any, dict[str, str]]:
     """Apply every feature the plan enables; return the model and one line per feature."""
@@ -132,6 +155,8 @@ def apply_plan(model: Any, plan: Any, placement: Placement,
     wanted = plan_feature_strings(plan)
     if not placement.multi_gpu and isinstance(wanted.get("dual_sage"), dict):
         wanted["dual_sage"] = "off: only one GPU is in use here"
+    elif isinstance(wanted.get("dual_sage"), dict):
+        wanted["dual_sage"] = dual_sage_for_placement(wanted["dual_sage"], plan, placement)
     for name, options in wanted.items():
         if name in disabled:
             lines[name] = "off: switched off on the node"

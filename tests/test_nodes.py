@@ -233,7 +233,7 @@ def test_plan_feature_strings_are_what_the_configs_parse():
     if isinstance(dual, dict):
         assert sum(inputs.parse_split(dual["split"])) == 56
         assert parse_device_list(dual["helpers"]) == list(plan.dual_sage.helper_devices)
-        assert dual["backend"] == "sdpa"  # exact unless the user picks otherwise
+        assert dual["backend"] == "comfyui"  # ComfyUI's own attention, sharded: exact
     else:
         assert dual.startswith("off:")
     for name in ("chunking", "prefetch"):
@@ -275,7 +275,8 @@ def test_backend_override_matches_the_default_attention_and_chains(tiny_twin, ti
     torch.testing.assert_close(out[0], plain[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(out[1], plain[1], rtol=0, atol=1e-6)
     assert len(calls) == 4  # refiner + 3 blocks, each through the previous override ...
-    assert all(c.__name__ == "ours" for c in calls)  # ... which received our kernel as func
+    # ... which received our kernel as func
+    assert all(c.backend.name == "sdpa" for c in calls)
     assert base.model_options["transformer_options"][OVERRIDE_KEY] is previous
     assert "chained" in feature_lines(patched.model_options)["attention"]
     with pytest.raises(ValueError, match="unknown attention backend"):
