@@ -110,6 +110,8 @@ class ShardedAttention:
                       f"is {self.plan.root}; computing all heads there")
             return self._on_root("root", attend, q_BHSD, k_BHSD, v_BHSD)
         ranges = self.plan.ranges_for(heads)
+        if ranges[0] == (0, heads):  # a head group too small to give a helper any head
+            return self._on_root("root", attend, q_BHSD, k_BHSD, v_BHSD)
         chunks = self._exact_chunks(ranges, seq_len, q_BHSD.dtype, head_dim)
         if chunks is None:
             return self._on_root("inexact", attend, q_BHSD, k_BHSD, v_BHSD)

@@ -95,7 +95,8 @@ def test_uneven_head_groups_reuse_one_workspace():
     """Chunking's head groups (3, 3, 2 of 8 heads here; 16, 16, 16, 8 on H3) fit the buffers
     of the largest group: one allocation per helper for every block, not two per block."""
     q, k, v = strided_qkv(heads=8, seq_len=40)
-    shard = ShardedAttention(fake_plan(1, 1), chunk_heads=1, ring_slots=2)
+    shard = ShardedAttention(fake_plan(2, 6), chunk_heads=1, ring_slots=2)
+    assert [shard.plan.counts_for(h)[1] for h in (3, 2)] == [2, 1]  # uneven helper shares
     for _block in range(3):
         for h0, h1 in ((0, 3), (3, 6), (6, 8)):
             group = tuple(t[:, h0:h1] for t in (q, k, v))
