@@ -176,7 +176,7 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
-def _per_heads(function: Any, kwargs: dict[str, Any]) -> Attend:
+def per_heads(function: Any, kwargs: dict[str, Any]) -> Attend:
     """`attend(q, k, v)` for a head subset: `function` with the call's own keywords."""
 
     def attend(q_BhSD: torch.Tensor, k_BhSD: torch.Tensor, v_BhSD: torch.Tensor
@@ -211,7 +211,7 @@ class ShardingFunction:
                      and q.dim() == 4 and q.shape[1] == heads and q.shape == k.shape == v.shape)
         if not shardable:
             return self.function(q, k, v, heads, *args, **kwargs)
-        out_BSF = self.sharded(q, k, v, _per_heads(self.function, kwargs))
+        out_BSF = self.sharded(q, k, v, per_heads(self.function, kwargs))
         if kwargs.get("skip_output_reshape"):
             b, h, s, d = q.shape
             return out_BSF.view(b, s, h, d).transpose(1, 2)

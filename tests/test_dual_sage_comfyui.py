@@ -261,9 +261,11 @@ def test_two_gpus_bf16_equal_unpatched(h3_on_two_gpus, tokens, min_tokens):
     patched = apply_dual_sage(patcher, DualSageConfig(helpers=(str(HELPER),),
                                                       min_tokens=min_tokens))
     shard = shard_of(patched)
-    with AttentionCounter() as calls:
-        out = run_like_sampler(patched, inputs)  # Dual-Sage makes the root current itself
-    out_lora = run_like_sampler(with_lora(patched, lora_sd), inputs)
+    # the token refiner runs in extra_conds, outside the DiT forward Dual-Sage makes current:
+    # the caller (the placement's device guard) makes the root current around sampling
+    with torch.cuda.device(ROOT), AttentionCounter() as calls:
+        out = run_like_sampler(patched, inputs)
+        out_lora = run_like_sampler(with_lora(patched, lora_sd), inputs)
     assert same(out, plain) and same(out_lora, plain_lora)
     expect_split = min_tokens == 0 or tokens >= shard.min_tokens
     assert shard.routes["split"] == (2 * H3_GPU.blocks if expect_split else 0)
