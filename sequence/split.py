@@ -24,6 +24,8 @@ import torch
 from ..chunking.sizing import MIN_QUERY_TILES_PER_CALL
 
 EXACT_MIN_ROWS_GPU = 4096  # smallest row share whose GEMMs matched the full-length run on H200
+# CPU stand-ins (tests): MKL takes small-M paths for a few rows (1-3 rows differed on AVX2)
+EXACT_MIN_ROWS_CPU = 16
 DEFAULT_CHUNK_HEADS = 4
 
 
@@ -66,7 +68,7 @@ class SequenceSplit:
     row_weights: tuple[float, ...]
     head_counts: tuple[int, ...]
     chunk_heads: int = DEFAULT_CHUNK_HEADS
-    min_rows: int | None = None  # None: EXACT_MIN_ROWS_GPU on GPUs, 1 on CPU stand-ins
+    min_rows: int | None = None  # None: EXACT_MIN_ROWS_GPU on GPUs, _CPU on CPU stand-ins
 
     def __post_init__(self) -> None:
         n = len(self.devices)
@@ -121,7 +123,9 @@ class SequenceSplit:
     def exact_min_rows(self) -> int:
         if self.min_rows is not None:
             return self.min_rows
-        return EXACT_MIN_ROWS_GPU if any(d.type == "cuda" for d in self.devices) else 1
+        if any(d.type == "cuda" for d in self.devices):
+            return EXACT_MIN_ROWS_GPU
+        return EXACT_MIN_ROWS_CPU
 
     def head_ranges(self) -> tuple[tuple[int, int], ...]:
         return ranges_of(self.head_counts)
