@@ -236,9 +236,13 @@ def test_the_mode_flag_lives_only_during_the_forward(tiny_twin, tiny_inputs):
 
 
 # ---------------------------------------------------------------------- composition
-def test_foreign_patches_see_the_whole_residual_stream(tiny_twin, tiny_inputs):
-    """Patches that read img: one chained inside ours (block 1), one chaining ours from outside
-    (block 2), one replacing ours without chaining (block 0)."""
+def test_foreign_patches_see_the_whole_residual_stream():
+    """Patches that read img: one replacing ours without chaining (block 0), one chained inside
+    ours (block 2, after two split blocks), one chaining ours from outside (block 4)."""
+    cfg = TwinConfig.tiny(blocks=5)
+    model = make_twin(cfg, seed=0)
+    inputs = make_inputs(cfg, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=1)
+
     def reader(log, previous=None):
         def patch(args, extra):
             log.append(args["img"].clone())
@@ -247,27 +251,27 @@ def test_foreign_patches_see_the_whole_residual_stream(tiny_twin, tiny_inputs):
             return extra["original_block"](args)
         return patch
 
-    def install(patcher, log, outer):
-        for i in outer:
+    def install(patcher, log, blocks, chain):
+        for i in blocks:
             previous = patcher.model_options["transformer_options"].get(
-                "patches_replace", {}).get("dit", {}).get(("double_block", i))
+                "patches_replace", {}).get("dit", {}).get(("double_block", i)) if chain else None
             patcher.set_model_patch_replace(reader(log, previous), "dit", "double_block", i)
 
     plain_log, split_log = [], []
-    plain = TwinPatcher(tiny_twin).clone()
-    install(plain, plain_log, (1, 0, 2))
-    reference = plain.apply_model(*tiny_inputs)
+    plain = TwinPatcher(model).clone()
+    install(plain, plain_log, (0, 2, 4), chain=True)
+    reference = plain.apply_model(*inputs)
 
-    inner = TwinPatcher(tiny_twin).clone()
-    install(inner, split_log, (1,))
+    inner = TwinPatcher(model).clone()
+    install(inner, split_log, (2,), chain=True)
     patched = on_cpu(inner)
-    install(patched, split_log, (0, 2))
-    assert same(patched.apply_model(*tiny_inputs), reference)
+    install(patched, split_log, (0,), chain=False)
+    install(patched, split_log, (4,), chain=True)
+    assert same(patched.apply_model(*inputs), reference)
     assert len(split_log) == 3
-    order = [1, 0, 2]  # logs in block order: 0, 1, 2 -> the plain run installed 1, 0, 2
-    assert all(torch.equal(split_log[i], plain_log[i]) for i in range(3)), order
+    assert all(torch.equal(a, b) for a, b in zip(split_log, plain_log, strict=True))
     mode = get_sequence_parallel(patched)
-    assert mode.runner.blocks_run == 3  # all three blocks still ran split
+    assert mode.runner.blocks_run == 4  # block 0 was replaced; 1-4 still ran split
     assert mode.forward is None
 
 
