@@ -66,19 +66,26 @@ class Link:
         self._pinned_free = [None] * RELAY_SLOTS
         self._next_slot = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, after: Event = None) -> Event:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, after: Event = None,
+             dst_ready: Event = None) -> Event:
         """`dst.copy_(src)` for contiguous tensors of equal size; returns the arrival event.
 
         after: event recorded where `src` was produced (on the source device); the copy starts
-        once it completed. The returned event lives on the receive stream of `dst`'s device: a
-        stream that reads `dst` must wait on it.
-        Callers keep `src` and `dst` alive until the copy completed (`record_stream` on
-        `self.send` / `self.recv`, or buffers owned for longer).
+        once it completed. dst_ready: event on `dst`'s device after which `dst` may be written:
+        recorded on the compute stream right after `dst` was allocated there, since the caching
+        allocator may hand out memory whose previous tensor's kernels are still queued on that
+        stream (stream-ordered reuse protects that stream only, not our copy streams).
+        The returned event lives on the receive stream of `dst`'s device: a stream that reads
+        `dst` must wait on it. Callers keep `src` and `dst` alive until the copy completed
+        (`record_stream` on `self.send` / `self.recv`, or buffers owned for longer).
         """
         assert src.is_contiguous() and dst.is_contiguous() and src.numel() == dst.numel(), \
             "links move contiguous tensors of equal size only"
         self.copies += 1
         self.bytes += src.numel() * src.element_size()
+        # the destination's memory may still be in use by queued kernels of its last owner
+        # (peer: PyTorch makes the send stream wait for the receive stream before the copy)
+        wait(self.recv, dst_ready)
         # the source is written by a stream of its own device: copying before that finished
         # would move stale or half-written rows
         wait(self.send, after)

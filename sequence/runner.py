@@ -147,6 +147,7 @@ class SequenceRunner:
         # (device index, destination, source): every source is made contiguous BEFORE the
         # event below, so no copy kernel queued after it can still be writing what a link reads
         sends: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        allocated: dict[int, Any] = {}
         for k in range(1, len(self.devices)):
             a, b = rows[k]
             device = self.devices[k]
@@ -163,12 +164,15 @@ class SequenceRunner:
                         sends.append((k, row_k, row.contiguous()))
                         row = row_k
                     seg_k.append((s0, s1, row))
+                # the buffers above were allocated on k's compute stream: a link writes them
+                # only after what that stream queued before (their memory's last owner) is done
+                allocated[k] = record(current_stream(device))
             shares.append(DeviceRows(device, a, b, x_sC, t_k, rope_k, seg_k))
         # everything sent below was produced on the root's compute stream
         produced = record(current_stream(root))
         arrived: dict[int, Any] = {}
         for k, dst, src in sends:
-            arrived[k] = self._send(0, k, dst, src, produced)
+            arrived[k] = self._send(0, k, dst, src, produced, allocated[k])
         for k, event in arrived.items():
             with device_current(self.devices[k]):
                 # k's first kernels read these: they must have arrived (one receive stream, in
@@ -177,10 +181,10 @@ class SequenceRunner:
         return SplitState(h_SC, shares, (0, 0, 0))
 
     def _send(self, src: int, dst: int, dst_tensor: torch.Tensor, src_tensor: torch.Tensor,
-              after: Any) -> Any:
+              after: Any, dst_ready: Any) -> Any:
         """One contiguous copy on the src -> dst link; both tensors kept until it completed."""
         link = self.link(src, dst)
-        arrived = link.copy(dst_tensor, src_tensor, after=after)
+        arrived = link.copy(dst_tensor, src_tensor, after=after, dst_ready=dst_ready)
         keep_until_used(src_tensor, link.send)
         keep_until_used(dst_tensor, link.recv)
         return arrived
@@ -190,13 +194,16 @@ class SequenceRunner:
         if state.gathered:
             return state.h_SC
         root = self.devices[0]
+        # h's helper rows are not touched on the root after the scatter; ordering the writes
+        # after the root's queued work anyway costs nothing (the root waits for them next)
+        root_ready = record(current_stream(root))
         arrivals = []
         for k, share in enumerate(state.shares[1:], start=1):
             with device_current(share.device):
                 # the rows are final only after k's last block kernels
                 done = record(current_stream(share.device))
             arrivals.append(self._send(k, 0, state.h_SC[share.start:share.stop], share.x_sC,
-                                       done))
+                                       done, root_ready))
         for arrived in arrivals:
             # the root reads h next: every helper's rows must have landed
             wait(current_stream(root), arrived)
@@ -236,10 +243,13 @@ class SequenceRunner:
 
         # every device's attention buffers: one [S, 3, g, D] per chunk it attends
         dest: list[list[torch.Tensor]] = []
+        dest_ready: list[Any] = []
         for j in range(n):
             with device_current(self.devices[j]):
                 dest.append([torch.empty((seq_len, 3, h1 - h0, head_dim), dtype=state.h_SC.dtype,
                                          device=self.devices[j]) for h0, h1 in chunks[j]])
+                # links write these: only after the memory's last owner's kernels on j
+                dest_ready.append(record(current_stream(self.devices[j])))
 
         # 1. rows: projections, RoPE, gathers; pieces leave as soon as they are gathered
         mods: list[tuple[torch.Tensor, ...]] = []
@@ -276,11 +286,12 @@ class SequenceRunner:
                 del qkv_sN, q, k_, qkv_s3HD
             for j, c, piece, gathered in pieces:
                 arrived[(j, c, k)] = self._send(k, j, dest[j][c][share.start:share.stop], piece,
-                                                gathered)
+                                                gathered, dest_ready[j])
 
         # where each device's attention output lands: its own [s, I] and the returned pieces
-        outs: list[torch.Tensor] = []
+        outs: list[torch.Tensor | None] = []
         recv: dict[tuple[int, int, int], torch.Tensor] = {}
+        recv_ready: list[Any] = []
         for k, share in enumerate(shares):
             with device_current(share.device):
                 outs.append(torch.empty((share.rows, inner), dtype=state.h_SC.dtype,
@@ -291,6 +302,8 @@ class SequenceRunner:
                             recv[(k, j, c)] = torch.empty((share.rows, (h1 - h0) * head_dim),
                                                           dtype=state.h_SC.dtype,
                                                           device=share.device)
+                # links write the returned pieces: only after the memory's last owner is done
+                recv_ready.append(record(current_stream(share.device)))
 
         # 2. attention, chunk by chunk; other devices' rows go back while the next chunk runs
         returned: dict[tuple[int, int, int], Any] = {}
@@ -310,7 +323,8 @@ class SequenceRunner:
                         if k == j:
                             continue
                         returned[(k, j, c)] = self._send(j, k, recv[(k, j, c)],
-                                                         out_SG[other.start:other.stop], done)
+                                                         out_SG[other.start:other.stop], done,
+                                                         recv_ready[k])
                     # this chunk's buffer is free once attended (marked for the link streams)
                     dest[j][c] = None  # type: ignore[call-overload]
                     del out_SG, buf
@@ -330,7 +344,7 @@ class SequenceRunner:
                 _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[k]
                 _gated_rows(ops, share.x_sC, gate_msa, attn.out_proj, outs[k], share.segments,
                             qkv_chunk)
-                outs[k] = None  # type: ignore[call-overload]
+                outs[k] = None
                 h_sC = ops.mod_scale_shift(block.norm2(share.x_sC), shift_mlp, scale_mlp,
                                            share.segments)
                 _gated_rows(ops, share.x_sC, gate_mlp, block.mlp, h_sC, share.segments,

@@ -211,7 +211,7 @@ def test_dual_sage_stands_aside_under_sequence_and_runs_under_heads(tiny_twin, t
         shard = dual.model_options["transformer_options"]["optimized_attention_override"].sharded
         lengths = []
         original = shard._split
-        shard._split = lambda *a, o=original: lengths.append(a[1].shape[2]) or o(*a)
+        shard._split = lambda *a, o=original, acc=lengths: acc.append(a[1].shape[2]) or o(*a)
         assert same(patched.apply_model(*tiny_inputs), reference)
         # the refiner's call (16 text tokens) comes before the block loop decides
         assert lengths == expected
