@@ -19,6 +19,7 @@ _LAZY = {
     "SequenceParallel": "apply",
     "SequenceParallelConfig": "apply",
     "apply_sequence_parallel": "apply",
+    "config_from_plan": "apply",
     "get_sequence_parallel": "apply",
     "SequenceRunner": "runner",
     "SequenceSplit": "split",

@@ -110,6 +110,25 @@ class SequenceParallelConfig:
             self.helpers = tuple(str(d) for d in self.helpers)
 
 
+def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
+    """The planner's choice as a config: devices, row weights, link and GPU rates."""
+    parallel = plan.parallel
+    profile = plan.profile
+    order = [plan.root_device, *plan.helper_devices]
+    speeds = tuple(sizing.GPUSpeed(g.matmul_tflops, g.attention_tflops, g.memory_bandwidth_gbs)
+                   for g in (profile.gpus[i] for i in order))
+    link = profile.link
+    values: dict[str, Any] = dict(
+        parallel="auto" if parallel.requested in ("auto", "heads") else parallel.requested,
+        helpers=tuple(f"cuda:{i}" for i in plan.helper_devices),
+        split=":".join(f"{w:g}" for w in parallel.row_weights),
+        transport=parallel.transport if parallel.transport in ("peer", "host") else "auto",
+        gpu_speeds=speeds, link_gbps=link.peer_gbs if link.peer_access else link.host_pinned_gbs,
+        host_gbps=link.host_pinned_gbs)
+    values.update(overrides)
+    return SequenceParallelConfig(**values)
+
+
 def _parse_devices(names: tuple[str, ...]) -> list[torch.device]:
     out = []
     for name in names:

@@ -404,3 +404,21 @@ def test_split_rows_heads_and_chunks():
                                                                            (1000, 1600))
     with pytest.raises(ValueError, match="do not divide"):
         SequenceSplit.even(tuple(torch.device("cuda", i) for i in range(3)), 56)
+
+
+# ---------------------------------------------------------------------- plan -> nodes -> config
+def test_the_plan_reaches_the_config_and_the_node_lines():
+    from h3_multigpu.nodes.features import check_options, plan_feature_strings
+    from h3_multigpu.planner import PlanRequest, plan_job
+    from h3_multigpu.sequence import config_from_plan
+
+    plan = plan_job(PlanRequest(seconds=10, profile="2xH200"))
+    wanted = plan_feature_strings(plan)["sequence"]
+    assert wanted == {"parallel": "auto", "helpers": "gpu:0", "split": "1:1"}
+    config = config_from_plan(plan, parallel=wanted["parallel"])
+    assert config.helpers == ("cuda:0",) and config.transport.value == "peer"
+    assert config.link_gbps == 393.0 and config.gpu_speeds[0].attention_tflops == 600.0
+    one = plan_job(PlanRequest(seconds=10, profile="1x5090"))
+    assert plan_feature_strings(one)["sequence"].startswith("off: PASS1 off: one GPU")
+    assert "parallel 'sometimes' is unknown" in check_options("sequence", parallel="sometimes")
+    assert check_options("sequence", parallel="heads") is None
