@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 WRAPPER_KEY = "h3_multigpu.sequence"
 DIFFUSION_MODEL = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL value
 OUTER_SAMPLE = "outer_sample"  # ComfyUI's WrappersMP.OUTER_SAMPLE value
-ON_DETACH = "on_detach"  # ComfyUI's CallbacksMP.ON_DETACH value
+ON_DETACH = "on_detach_after"  # ComfyUI's CallbacksMP.ON_DETACH value
 GIB = 1 << 30
 DEFAULT_LINK = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
 _warned: set[str] = set()
@@ -237,6 +237,7 @@ class SequenceParallel:
         self.decisions: dict[int, _Decision] = {}
         self.forward: _Forward | None = None
         self.steps = {"sequence": 0, "heads": 0, "off": 0, "fallback": 0}
+        self.blocks_run = 0  # blocks run split, over the model's life (runners come and go)
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
@@ -456,6 +457,7 @@ class SequenceParallel:
             chunked = block.__dict__.get("forward")
             chunked = chunked if hasattr(chunked, "chunks_for") else None
             runner.run_block(state, index, block, args["transformer_options"], chunked)
+            self.blocks_run += 1
             # whoever sees h next must see all of it: the model after the last block, a foreign
             # patch around this block or the next one
             outside = forward.foreign_outside

@@ -98,7 +98,7 @@ def test_twin_output_is_bit_identical(monkeypatch, devices, split, chunk_heads, 
         assert same(patched.apply_model(*inputs), reference)
     mode = get_sequence_parallel(patched)
     # every block ran split; each device attended its heads over all rows, chunk by chunk
-    assert mode.steps["sequence"] == 2 and mode.runner.blocks_run == 2 * cfg.blocks
+    assert mode.steps["sequence"] == 2 and mode.blocks_run == 2 * cfg.blocks
     chunks = [mode.split.chunks_of(j, seq_len) for j in range(devices)]
     per_block = sorted((seq_len, h1 - h0) for cs in chunks for h0, h1 in cs)
     assert sorted(attended.calls) == sorted(per_block * 2 * cfg.blocks)
@@ -271,7 +271,7 @@ def test_foreign_patches_see_the_whole_residual_stream():
     assert len(split_log) == 3
     assert all(torch.equal(a, b) for a, b in zip(split_log, plain_log, strict=True))
     mode = get_sequence_parallel(patched)
-    assert mode.runner.blocks_run == 4  # block 0 was replaced; 1-4 still ran split
+    assert mode.blocks_run == 4  # block 0 was replaced; 1-4 still ran split
     assert mode.forward is None
 
 
@@ -310,7 +310,7 @@ def test_composes_with_the_prefetcher_and_streams_from_its_arena(monkeypatch, ti
         assert same(patched.apply_model(*tiny_inputs), reference)
     mode = get_sequence_parallel(patched)
     weights = mode.helper_weights[1]
-    assert weights.mode == helper_weights and mode.runner.blocks_run == 6
+    assert weights.mode == helper_weights and mode.blocks_run == 6
     if helper_weights == STREAM:
         # both devices read the prefetcher's host copies: no host copy of our own was made
         assert weights.own_host == {} and weights.copies >= 3
