@@ -88,6 +88,7 @@ class SequenceParallelConfig:
     host_gbps: float = 25.0
     margin: float = sizing.DEFAULT_MARGIN
     heads: int = 56  # used when the model does not say
+    note: str = ""  # appended to the status line (the plan's per-pass prediction)
 
     def __post_init__(self) -> None:
         self.parallel = ParallelMode.parse(self.parallel)
@@ -124,7 +125,9 @@ def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
         split=":".join(f"{w:g}" for w in parallel.row_weights),
         transport=parallel.transport if parallel.transport in ("peer", "host") else "auto",
         gpu_speeds=speeds, link_gbps=link.peer_gbs if link.peer_access else link.host_pinned_gbs,
-        host_gbps=link.host_pinned_gbs)
+        host_gbps=link.host_pinned_gbs,
+        note="plan: " + ", ".join(f"{name.upper()} {p.mode} ({p.speedup:.2f}x predicted)"
+                                  for name, p in parallel.passes.items()))
     values.update(overrides)
     return SequenceParallelConfig(**values)
 
@@ -511,7 +514,8 @@ class SequenceParallel:
                 f"helpers {helpers}; rows {rows}, heads {heads} in chunks of >= "
                 f"{split.chunk_heads}; transport {'/'.join(sorted(self.modes))}; helper weights "
                 f"{self.config.helper_weights}; exact (row shares >= {split.exact_min_rows:,}, "
-                f"shorter steps run another way); mode chosen per step from the token count")
+                f"shorter steps run another way); mode chosen per step from the token count"
+                + (f"; {self.config.note}" if self.config.note else ""))
 
 
 class SequenceFailure(Exception):
