@@ -44,6 +44,9 @@ def _add_plan_parser(sub) -> None:
                    help="read the DiT's real sizes from this .safetensors header")
     p.add_argument("--dual-sage", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--chunking", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--parallel", choices=["auto", "sequence", "heads", "off"], default="auto",
+                   help="how the GPUs share a step, per pass: auto picks the fastest of "
+                        "sequence parallel, heads (Dual-Sage) and one GPU")
     p.add_argument("--resident-blocks", type=int, default=None)
     p.add_argument("--quantized-attention", action="store_true",
                    help="time attention with an INT8-QK kernel (ck_int8 / triton_sage)")
@@ -65,7 +68,7 @@ def _run_plan(args) -> int:
                           text_tokens=args.text_tokens, lora_rank=args.lora_rank,
                           dit_dtype=args.dit_dtype, dit_file=args.dit_file,
                           dual_sage=args.dual_sage, chunking=args.chunking,
-                          resident_blocks=args.resident_blocks,
+                          parallel=args.parallel, resident_blocks=args.resident_blocks,
                           quantized_attention=args.quantized_attention)
     plan = plan_job(request)
     if args.json:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
 from ..kernels import backend_names
 from . import sizing
@@ -159,6 +160,10 @@ class DualSageOverride:
             **kwargs: Any) -> Any:
         """Shard when the call is H3's `[1, H, S, D]` unmasked attention, else `func`."""
         q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+        if not heads_allowed(kwargs.get("transformer_options")):
+            # this step runs sequence-parallel (the call is already one GPU's head share) or on
+            # one GPU: ComfyUI's function, unchanged
+            return func(q, k, v, heads, *args, **kwargs)
         shardable = (not args and kwargs.get("mask") is None and kwargs.get("skip_reshape")
                      and q.dim() == 4 and q.shape[1] == heads and q.shape == k.shape == v.shape)
         if not shardable:

@@ -16,7 +16,7 @@ from .features import apply_plan
 from .placement import Placement, decide_placement, placement_from_plan
 from .planning import PlannerUnavailable, make_plan
 from .status import FEATURES, compose_status
-from .v3_plan import check_sizes, size_inputs
+from .v3_plan import check_sizes, parallel_input, size_inputs
 
 
 def _component_inputs() -> list:
@@ -117,6 +117,10 @@ class H3MultiGPU(io.ComfyNode):
                      devices=devices, lora_rank=lora_rank)
         disabled = tuple(f for f in ("dual_sage", "chunking", "prefetch")
                          if advanced.get(f) == "off")
+        parallel = advanced.get("parallel", "auto")
+        if plan is None:
+            sizes["parallel"] = parallel
+        disabled += {"off": ("dual_sage", "sequence"), "heads": ("sequence",)}.get(parallel, ())
         *outputs, status, _ = run_dropin(
             model, clip, vae, audio_vae, latent_upscale_model, plan, sizes,
             root_gpu=advanced.get("root_gpu", "auto"),
@@ -139,6 +143,7 @@ class H3MultiGPUAdvanced(H3MultiGPU):
             *(io.Combo.Input(name, options=["plan", "off"], default="plan",
                              tooltip=f"'off' leaves {name} out whatever the plan says.")
               for name in ("dual_sage", "chunking", "prefetch")),
+            parallel_input(),
         ]
         return schema
 

@@ -18,6 +18,8 @@ from . import timing
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, dit_sizes_from_file
 from .hardware import GiB, HardwareProfile, detect_hardware, get_profile
 from .memory import BlockDims, ChunkSettings, block_activation_peak, choose_chunks
+from .parallel import MODES as PARALLEL_MODES
+from .parallel import ParallelPlan, plan_parallel
 
 LOOKAHEAD = 2  # copies run 2 streamed blocks ahead, into K + 1 = 3 device slots
 DECODE_SLAB_FRAMES = 9  # output frames the video VAE decodes at once (estimate)
@@ -39,6 +41,7 @@ class PlanRequest:
     dit_dtype: str = "int8"  # "int8" (official pruned file) or "bf16"
     dit_file: str | None = None  # read real block sizes from this checkpoint's header
     dual_sage: str = "auto"  # "auto" | "on" | "off"
+    parallel: str = "auto"  # per pass: "auto" | "sequence" | "heads" | "off"
     chunking: str = "auto"  # "auto" | "off" | "on"
     resident_blocks: int | None = None  # None = as many as fit
     fused_swiglu: bool = False  # ComfyUI's linear_input_act; the twin materialises silu
@@ -61,6 +64,9 @@ class PlanRequest:
             allowed = ("auto", "on", "off")
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not valid; use one of {allowed}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel={self.parallel!r} is not valid; use one of "
+                             f"{PARALLEL_MODES}")
         for name in ("lora_rank", "text_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = none)")
@@ -151,6 +157,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    parallel: ParallelPlan | None = None
 
     @property
     def fits(self) -> bool:
@@ -231,11 +238,60 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
         step[name] = _step_time(s, profile, root, helpers, dual, prefetch, sizes, q)
         single[name] = _step_time(s, profile, root, [], _DUAL_OFF, prefetch, sizes, q)
 
+    # 3. Per pass: sequence parallel, Dual-Sage or one GPU, by predicted step time.
+    parallel = _plan_parallel(request, profile, sizes, tokens, dual, prefetch, root, helpers,
+                              step, single, chunks)
+    _apply_parallel(parallel, gpus, root, helpers, step, notes)
+
     plan = Plan(request, profile, sizes, pass1, pass2, root, helpers, placement, dual,
                 ChunkPlan(chunks.ffn_chunk, chunks.qkv_chunk, chunks.head_group, chunk_reason),
-                prefetch, gpus, step, single, notes)
+                prefetch, gpus, step, single, notes, parallel=parallel)
     _check_fit(plan, suggest)
     return plan
+
+
+def _plan_parallel(request, profile, sizes, tokens, dual, prefetch, root, helpers, step, single,
+                   chunks) -> ParallelPlan:
+    helper_free = 0
+    if helpers:
+        spec = profile.gpus[helpers[0]]
+        # ComfyUI keeps the VAEs and the upscaler loaded on the helper between passes
+        helper_free = (spec.memory_bytes - reserve_bytes(spec.memory_bytes) - sizes.vae_bytes
+                       - sizes.upscaler_bytes)
+    requested = request.parallel
+    if request.dual_sage == "off" and requested == "heads":
+        requested = "off"
+    return plan_parallel(
+        requested=requested, profile=profile, root=root, helpers=helpers, tokens=tokens,
+        single_step_s=single, heads_step_s=step,
+        heads_active={n: dual.enabled and tokens[n] >= dual.min_tokens for n in tokens},
+        block_bytes=sizes.dit_block_bytes, helper_free_bytes=helper_free,
+        streamed_root_blocks=prefetch.streamed_blocks,
+        root_block_copy_s=timing.block_copy_time_s(sizes.dit_block_bytes, profile.link,
+                                                    pinned=prefetch.source == "pinned"),
+        lora_rank=request.lora_rank, fused_swiglu=request.fused_swiglu,
+        quantized=request.quantized_attention, ffn_chunk=chunks.ffn_chunk)
+
+
+def _apply_parallel(parallel: ParallelPlan, gpus: list[GPUPlan], root: int, helpers: list[int],
+                    step: dict[str, float], notes: list[str]) -> None:
+    """Step times and per-GPU memory of the passes that run sequence-parallel."""
+    for name, choice in parallel.passes.items():
+        step[name] = choice.step_time_s
+        if choice.mode != "sequence":
+            continue
+        label = "PASS1" if name == "pass1" else "PASS2"
+        root_phase = gpus[root].phases[label]
+        gpus[root].phases[label] = PhaseMemory(root_phase.weights, choice.root_activation_bytes)
+        for index in helpers:
+            phases = gpus[index].phases
+            resident = phases[label].weights if label in phases else 0
+            phases[label] = PhaseMemory(resident + choice.helper_weight_bytes,
+                                        choice.helper_activation_bytes)
+        notes.append(f"{label} sequence parallel: each GPU holds about half the activations "
+                     f"(root {choice.root_activation_bytes / GiB:.1f} GiB, helper "
+                     f"{choice.helper_activation_bytes / GiB:.1f} GiB), DiT on the helper as a "
+                     f"{choice.helper_weights}")
 
 
 def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2):

@@ -53,6 +53,9 @@ def render_report(plan: Plan) -> str:
         lines.append(f"  chunking: off -- {ch.reason}")
     lines.append(f"  DiT blocks: {pf.resident_blocks} resident, {pf.streamed_blocks} streamed"
                  f" -- {pf.reason}")
+    if plan.parallel is not None:
+        for name in plan.parallel.passes:
+            lines.append(f"  parallel {name.upper()}: {plan.parallel.describe(name)}")
     lines.append("")
     for name in ("pass1", "pass2"):
         t, t1 = plan.step_time_s[name], plan.single_gpu_step_time_s[name]
@@ -115,6 +118,16 @@ def plan_to_dict(plan: Plan) -> dict:
                      "lookahead": plan.prefetch.lookahead,
                      "pinned_budget_bytes": plan.prefetch.pinned_budget_bytes,
                      "source": plan.prefetch.source, "reason": plan.prefetch.reason},
+        "parallel": None if plan.parallel is None else {
+            "requested": plan.parallel.requested, "transport": plan.parallel.transport,
+            "row_weights": list(plan.parallel.row_weights),
+            "head_split": list(plan.parallel.head_split),
+            "passes": {n: {"mode": p.mode, "reason": p.reason, "speedup": round(p.speedup, 3),
+                           "step_time_s": p.step_time_s, "helper_weights": p.helper_weights,
+                           "root_activation_bytes": p.root_activation_bytes,
+                           "helper_activation_bytes": p.helper_activation_bytes,
+                           "helper_weight_bytes": p.helper_weight_bytes}
+                       for n, p in plan.parallel.passes.items()}},
         "step_time_s": dict(plan.step_time_s),
         "single_gpu_step_time_s": dict(plan.single_gpu_step_time_s),
         "notes": list(plan.notes),
