@@ -307,12 +307,11 @@ class SplitDecode:
                     device_context(share.device):
                 lane = self._lane(share, z_BCTHW, ready)
                 try:
-                    with self._recording(lane.model):
-                        for i in range(*share.windows):
-                            if stop.is_set():
-                                break
-                            self._finish_window(lane, i)
-                            events.put(("window", share, i))
+                    for i in range(*share.windows):
+                        if stop.is_set():
+                            break
+                        self._finish_window(lane, i)
+                        events.put(("window", share, i))
                 finally:
                     lane.writer.close()
                 if share.device.type == "cuda":
@@ -323,10 +322,12 @@ class SplitDecode:
             events.put(("exit", share, None))
 
     @contextlib.contextmanager
-    def _recording(self, model: nn.Module) -> Iterator[None]:
-        """Record the tile batch of every decoder call, per window (a temporary forward
-        pre-hook; a copy's hook dict is its own, so the root model keeps none afterwards)."""
-        decoder = getattr(model, "decoder", None)
+    def _recording(self) -> Iterator[None]:
+        """Record the tile batch of every decoder call, per window: a forward pre-hook on the
+        root's decoder for the length of the decode. The helpers' copies are made after it is
+        registered and copy the decoder's hook dict, so they carry the same hook (no second
+        one); removing it leaves the root's model as it was."""
+        decoder = getattr(self.shares[0].model, "decoder", None)
         handle = decoder.register_forward_pre_hook(self._count_call) if decoder else None
         try:
             yield
@@ -346,6 +347,10 @@ class SplitDecode:
 
     def run(self, z_BCTHW: torch.Tensor) -> DecodeReport:
         """Decode latent z (de-normalised, on the root) into `output`; return the report."""
+        with self._recording():
+            return self._run(z_BCTHW)
+
+    def _run(self, z_BCTHW: torch.Tensor) -> DecodeReport:
         started = time.perf_counter()
         pad, self._windows = self.layout.windows(z_BCTHW.shape[2])
         if pad:  # like the model: repeat the last latent frame so every window is whole
@@ -414,7 +419,7 @@ class SplitDecode:
         root = self.shares[0]
         a, b = share.windows
         pieces = _Pieces()
-        with device_context(root.device), self._recording(root.model):
+        with device_context(root.device):
             lane = _Lane(root.device, root.model, z_BCTHW, 0,
                          _HostWriter(root.device, self.output, self.copy_depth), 0)
             try:
