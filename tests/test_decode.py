@@ -262,3 +262,21 @@ def test_config_from_strings_checks_shares_against_devices():
     assert config.helpers == ("cuda:0",) and config.shares == (1.0, 0.5)
     with pytest.raises(ValueError, match="explicit helper list"):
         MultiGPUDecodeConfig.from_strings(helpers="auto", shares="1:1")
+
+
+def test_dropin_carries_out_the_plans_decode_decision():
+    from h3_multigpu.nodes.features import apply_decode_plan
+    from h3_multigpu.planner import PlanRequest, plan_job
+
+    vae = FakeVAE(StandInVideoVAE())
+    same, line = apply_decode_plan(vae, None, 0)
+    assert same is vae and line == "NOT ACTIVE: no plan"
+    off = plan_job(PlanRequest(profile="2xH200", seconds=10, decode="off"))
+    same, line = apply_decode_plan(vae, off, 0)
+    assert same is vae and line == "off: one GPU (gpu:0): switched off"
+    plan = plan_job(PlanRequest(profile="2xH200", seconds=10))
+    patched, line = apply_decode_plan(vae, plan, 0)
+    if torch.cuda.device_count() >= 2:
+        assert find_patch(patched) is not None and line.startswith("on: ")
+    else:  # the plan's gpu:1 is not on this machine: said, nothing patched
+        assert patched is vae and line.startswith("NOT ACTIVE: helper device cuda:1")
