@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from ..exchange.transport import TransportMode, resolve
 from ..kernels import backend_names
 from . import sizing
 from .shard_plan import ShardPlan, parse_devices, parse_split, validate_devices
 from .sharded import ShardedAttention
-from .transport import TransportMode, resolve
 
 WRAPPER_KEY = "h3_multigpu_dual_sage"
 DEFAULT_LINK_GBPS = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
