@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..dual_sage.streams import current_stream, new_stream, on_streams, record, wait
+from ..exchange.streams import current_stream, new_stream, on_streams, record, wait
 from .replica import make_replica
 from .windows import WindowLayout
 
