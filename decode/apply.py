@@ -153,6 +153,9 @@ class MultiGPUDecode:
                 + sizing.split_extra_bytes(width, height, element))
         used, speeds, notes = [root], [1.0], []
         weights = self.config.shares
+        if weights is not None and len(weights) != len(helpers) + 1:
+            raise ValueError(f"decode shares {weights} give {len(weights)} speeds for "
+                             f"{len(helpers) + 1} devices ({root} and {len(helpers)} helpers)")
         for k, device in enumerate(helpers):
             why = self._helper_fits(device, need)
             if why is not None:

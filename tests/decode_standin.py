@@ -83,7 +83,7 @@ class StandInVideoVAE(nn.Module):
 
     def blend(self, a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
         extent = min(a.shape[dim], b.shape[dim], extent)
-        ramp = torch.arange(extent, dtype=b.dtype) / extent
+        ramp = torch.arange(extent, dtype=b.dtype, device=b.device) / extent
         shape = [1] * a.ndim
         shape[dim] = extent
         ramp = ramp.view(shape)

@@ -68,8 +68,8 @@ def _latent(t: int) -> torch.Tensor:
 
 
 def _config(helpers: int, shares=None) -> MultiGPUDecodeConfig:
-    if torch.cuda.device_count() >= 2:
-        return MultiGPUDecodeConfig(shares=shares if helpers == 1 else None)
+    if torch.cuda.device_count() >= 2:  # the VAE's GPU and every other GPU, equal shares
+        return MultiGPUDecodeConfig()
     return MultiGPUDecodeConfig(helpers=("cpu",) * helpers, shares=shares)
 
 
