@@ -39,7 +39,12 @@ def _decoding_modules(model: nn.Module) -> Iterator[nn.Module]:
 def check_replicable(model: nn.Module) -> str | None:
     """None when a faithful decoding copy can be made, else the reason it cannot."""
     for name in DECODE_METHODS:
-        if name in vars(model):
+        own = vars(model).get(name)
+        # ComfyUI restores an object patch by setting the bound class method back on the
+        # instance: that one is the model's own method, anything else is a replacement
+        restored = (getattr(own, "__self__", None) is model
+                    and getattr(own, "__func__", None) is getattr(type(model), name, None))
+        if own is not None and not restored:
             return f"the VAE's {name} is replaced on this model by another patch"
         if not callable(getattr(model, name, None)):
             return f"the VAE has no {name} method (not the windowed H3 video VAE)"

@@ -211,6 +211,8 @@ def test_replica_refuses_on_the_fly_weight_patches_and_instance_overrides():
     model = StandInVideoVAE()
     model._decode_pixels = lambda z: z
     assert "replaced on this model" in check_replicable(model)
+    model._decode_pixels = model.__class__._decode_pixels.__get__(model)  # restored by ComfyUI
+    assert check_replicable(model) is None
 
 
 # --- the ComfyUI seam (object patch on decode_temporal) ------------------------------------------
