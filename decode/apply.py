@@ -242,6 +242,8 @@ def apply_multi_gpu_decode(vae: Any, config: MultiGPUDecodeConfig | None = None
     if model is None or not callable(getattr(type(model), PATCH_NAME, None)):
         return vae, ("NOT ACTIVE: this VAE has no windowed video decode "
                      f"({type(model).__name__ if model is not None else 'no model'})")
+    if getattr(getattr(vae, "patcher", None), "model", None) is not model:
+        return vae, "NOT ACTIVE: the VAE's patcher does not hold its first_stage_model"
     try:
         WindowLayout.from_model(model)
     except ValueError as exc:
