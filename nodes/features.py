@@ -172,3 +172,27 @@ def apply_plan(model: Any, plan: Any, placement: Placement,
         if name not in lines or lines[name].startswith("applied"):
             lines[name] = line  # the library's own words win for what it applied
     return model, lines
+
+
+def apply_decode_plan(vae: Any, plan: Any, vae_gpu: int | None) -> tuple[Any, str]:
+    """The plan's video-decode decision carried out on the placed video VAE (on gpu:vae_gpu):
+    the VAE patched to share its windows with the plan's other decode GPUs, or unchanged with
+    the reason it decodes on one GPU."""
+    decision = getattr(plan, "decode", None)
+    if decision is None:
+        return vae, "NOT ACTIVE: no plan"
+    if not decision.multi or vae_gpu is None:
+        return vae, f"off: {decision.describe()}"
+    helpers = [g for g in decision.devices if g != vae_gpu]
+    gpus = getattr(getattr(plan, "profile", None), "gpus", ())
+    speeds = None
+    if all(0 <= g < len(gpus) for g in (vae_gpu, *helpers)):
+        speeds = tuple(gpus[g].matmul_tflops for g in (vae_gpu, *helpers))
+    try:
+        config_cls, apply = _load("decode", "MultiGPUDecodeConfig", "apply_multi_gpu_decode")
+        config = config_cls(helpers=tuple(f"cuda:{g}" for g in helpers), shares=speeds,
+                            make_room=decision.make_room)
+        patched, line = apply(vae, config)
+    except (FeatureUnavailable, ValueError) as exc:
+        return vae, f"NOT ACTIVE: {exc}"
+    return patched, f"{line}; plan: {decision.describe()}"

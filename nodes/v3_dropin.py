@@ -12,7 +12,7 @@ from comfy_api.latest import io
 
 from .comfy_types import CATEGORY, LatentUpscaleModel, Plan, preview_text
 from .devices import gpu_inventory, parse_device
-from .features import apply_plan
+from .features import apply_decode_plan, apply_plan
 from .placement import Placement, decide_placement, placement_from_plan
 from .planning import PlannerUnavailable, make_plan
 from .status import FEATURES, compose_status
@@ -83,6 +83,8 @@ def run_dropin(model, clip, vae, audio_vae, latent_upscale_model, plan, sizes: d
         model, lines = apply_plan(model, plan, placement, disabled)
     else:
         lines = {name: "NOT ACTIVE: no plan" for name in FEATURES if name != "attention"}
+    if placement.root is not None:  # the video VAE sits on the helper: share its decode
+        vae, lines["decode"] = apply_decode_plan(vae, plan, placement.helper)
     status = compose_status(placement=placement, plan=plan, features=lines,
                             component_notes=notes, extra=extra)
     return model, clip, vae, audio_vae, latent_upscale_model, plan, status, placement

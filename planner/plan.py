@@ -16,14 +16,13 @@ from ..dual_sage import sizing as dual_sage_sizing
 from ..offload import sizing as offload_sizing
 from . import timing
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, dit_sizes_from_file
+from .decode import DecodePlan, plan_decode
 from .hardware import GiB, HardwareProfile, detect_hardware, get_profile
 from .memory import BlockDims, ChunkSettings, block_activation_peak, choose_chunks
 from .parallel import MODES as PARALLEL_MODES
 from .parallel import ParallelPlan, plan_parallel
 
 LOOKAHEAD = 2  # copies run 2 streamed blocks ahead, into K + 1 = 3 device slots
-DECODE_SLAB_FRAMES = 9  # output frames the video VAE decodes at once (estimate)
-DECODE_BYTES_PER_PIXEL = 512  # live decoder activations per output pixel-frame (estimate)
 TEXT_ENCODER_WORKSPACE = int(0.75 * GiB)
 
 
@@ -42,6 +41,7 @@ class PlanRequest:
     dit_file: str | None = None  # read real block sizes from this checkpoint's header
     dual_sage: str = "auto"  # "auto" | "on" | "off"
     parallel: str = "auto"  # per pass: "auto" | "sequence" | "heads" | "off"
+    decode: str = "auto"  # video decode on several GPUs: "auto" | "on" | "off"
     chunking: str = "auto"  # "auto" | "off" | "on"
     resident_blocks: int | None = None  # None = as many as fit
     fused_swiglu: bool = False  # ComfyUI's linear_input_act; the twin materialises silu
@@ -59,7 +59,7 @@ class PlanRequest:
             geometry.snap_frames(self.seconds)
         if self.dit_dtype not in ("int8", "bf16"):
             raise ValueError(f"dit_dtype {self.dit_dtype!r} is not known; use 'int8' or 'bf16'")
-        for name in ("dual_sage", "chunking"):
+        for name in ("dual_sage", "chunking", "decode"):
             value = getattr(self, name)
             allowed = ("auto", "on", "off")
             if value not in allowed:
@@ -158,6 +158,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     parallel: ParallelPlan | None = None
+    decode: DecodePlan | None = None
 
     @property
     def fits(self) -> bool:
@@ -246,6 +247,8 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
     plan = Plan(request, profile, sizes, pass1, pass2, root, helpers, placement, dual,
                 ChunkPlan(chunks.ffn_chunk, chunks.qkv_chunk, chunks.head_group, chunk_reason),
                 prefetch, gpus, step, single, notes, parallel=parallel)
+    # 4. The video decode: the VAE's GPU alone, or its windows shared with the other GPUs.
+    plan.decode = _plan_decode(plan)
     _check_fit(plan, suggest)
     return plan
 
@@ -395,7 +398,7 @@ def _plan_prefetch(request: PlanRequest, profile: HardwareProfile, sizes: Compon
 
 def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1, pass2,
                notes):
-    from .sizing import dual_sage_helper_workspace, upscale_workspace, vae_decode_workspace
+    from .sizing import dual_sage_helper_workspace, upscale_workspace
 
     gpus = []
     dit_weights = sizes.dit_other_bytes + sizes.lora_bytes + \
@@ -419,12 +422,8 @@ def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1
             g.phases["text encode"] = PhaseMemory(max(te_on_gpu, 0), TEXT_ENCODER_WORKSPACE)
             g.phases["latent upscale"] = PhaseMemory(
                 sizes.upscaler_bytes, upscale_workspace(pass1, pass2))
-            per_frame = vae_decode_workspace(pass2, 1, DECODE_BYTES_PER_PIXEL)
-            slab = max(1, min(DECODE_SLAB_FRAMES, (usable - sizes.vae_bytes) // per_frame))
-            if slab < DECODE_SLAB_FRAMES:
-                notes.append(f"decode: {slab} frame(s) per VAE tile in time to fit gpu:{index}")
-            g.phases["decode"] = PhaseMemory(
-                sizes.vae_bytes, vae_decode_workspace(pass2, slab, DECODE_BYTES_PER_PIXEL))
+            # set by _plan_decode once the decode's devices are known (measured numbers)
+            g.phases["decode"] = PhaseMemory(sizes.vae_bytes, 0)
         for name, s in tokens.items():
             label = "PASS1" if name == "pass1" else "PASS2"
             if is_root:
@@ -435,6 +434,31 @@ def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1
                 g.phases[label] = PhaseMemory(resident, 0, dual_sage_helper_workspace(s, share))
         gpus.append(g)
     return gpus
+
+
+def _plan_decode(plan: Plan) -> DecodePlan:
+    """Decode devices and their decode-phase memory (the VAE GPU's phase is replaced, each
+    helper that takes windows gets one: what it keeps there plus its decoder copy)."""
+    vae_gpu = plan.placement["video_vae"]
+    others = [g.index for g in plan.gpus if g.index != vae_gpu]
+    usable = {g.index: g.capacity_bytes - g.reserve_bytes for g in plan.gpus}
+    # the DiT's GPU still holds its resident weights when decoding starts
+    held = {g.index: g.phases["PASS2"].weights for g in plan.gpus
+            if g.index == plan.root_device and g.index != vae_gpu and "PASS2" in g.phases}
+    element = 2  # the VAE runs in fp16/bf16 on a GPU
+    decode = plan_decode(plan.profile, vae_gpu=vae_gpu, helpers=others,
+                         width=plan.pass2.width, height=plan.pass2.height,
+                         frames=plan.pass2.frames, vae_bytes=plan.sizes.video_vae_bytes,
+                         usable_bytes=usable, held_bytes=held, mode=plan.request.decode,
+                         element_bytes=element)
+    by_index = {g.index: g for g in plan.gpus}
+    for index, (weights, activations) in decode.memory.items():
+        if index == vae_gpu:  # both VAEs stay loaded; the video decode's windows on top
+            weights = plan.sizes.vae_bytes
+        elif not decode.make_room:
+            weights += held.get(index, 0)
+        by_index[index].phases["decode"] = PhaseMemory(weights, activations)
+    return decode
 
 
 def _step_time(tokens, profile, root, helpers, dual, prefetch, sizes, quantized) -> float:
