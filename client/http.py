@@ -176,7 +176,18 @@ class ComfyClient:
     # -- the API --------------------------------------------------------------------------
 
     def object_info(self) -> dict:
-        return self.get_json("/object_info")
+        """Every node class the server has, checked for the shapes the graph checks read."""
+        info = self.get_json("/object_info")
+        for class_type, entry in info.items():
+            inputs = entry.get("input", {}) if isinstance(entry, dict) else None
+            sections = list(inputs.values()) if isinstance(inputs, dict) else [None]
+            if not (all(isinstance(section, dict) for section in sections)
+                    and isinstance(entry.get("output", []), list)
+                    and isinstance(entry.get("input_order", {}), dict)):
+                raise ServerProtocolError(
+                    f"GET /object_info at {self.base_url}: node class {class_type!r} is "
+                    f"described as {entry!r:.80}, not as ComfyUI describes node classes")
+        return info
 
     def system_stats(self) -> dict:
         return self.get_json("/system_stats")

@@ -388,3 +388,11 @@ def test_api_errors_are_server_protocol_errors_not_workflow_errors():
     with FakeComfyServer(Scenario(replies={"/object_info": (404, "text/plain", b"nope")})) as fk:
         with pytest.raises(ServerProtocolError, match="is not found at"):
             ComfyClient(fk.url, retries=0).object_info()
+
+
+def test_object_info_with_malformed_classes_is_the_servers_fault(tmp_path, capsys):
+    broken = {"KSampler": {"input": {"required": ["seed", "steps"]}}}
+    scenario = Scenario(replies={"/object_info": (200, JSON, json.dumps(broken).encode())})
+    with FakeComfyServer(scenario) as fake:
+        assert cli(fake.url, tmp_path) == 4
+    assert "node class 'KSampler' is described as" in capsys.readouterr().err
