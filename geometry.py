@@ -73,7 +73,7 @@ def validate_canvas(width: int, height: int) -> tuple[int, int]:
                              f"({MAX_CANVAS_SIDE} px); the native canvas is 1344x768")
     width, height = int(width), int(height)
     if width * height > ABSURD_PIXEL_AREA:
-        raise ValueError(f"canvas {width}x{height} is {width * height / MAX_PIXEL_AREA:.0f}x "
+        raise ValueError(f"canvas {width}x{height} is {width * height / MAX_PIXEL_AREA:.1f}x "
                          f"H3's native area (1344x768), far past anything it was trained on; "
                          f"use at most {ABSURD_PIXEL_AREA // MAX_PIXEL_AREA}x that area "
                          f"(e.g. 5376x3072), or 1312x736 upscaled afterwards")

@@ -28,7 +28,7 @@ NASTY_PLAN_ARGVS = [
     (["--frames", "1000000000"], "frame count 1000000000 is more than"),
     (["--frames", "-1"], "frame count -1 is too small"),
     (["--width", "99999999", "--height", "736"], "canvas width 99999999"),
-    (["--width", "16384", "--height", "16384"], "canvas 16384x16384 is 260x"),
+    (["--width", "16384", "--height", "16384"], "canvas 16384x16384 is 260.1x"),
     (["--text-tokens", "1000000000000"], "text_tokens=1000000000000 is larger than 32768"),
     (["--lora-rank", "999999999"], "lora_rank=999999999 is larger than 5376"),
     (["--resident-blocks", "-3"], "resident_blocks=-3 must be between 0 and 50"),
