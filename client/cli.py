@@ -31,7 +31,7 @@ from .errors import (
     Terminated,
     WorkflowError,
 )
-from .http import ComfyClient
+from .http import ComfyClient, Deadline
 from .params import parse_size, parse_target
 from .report import JsonReporter, TextReporter
 from .run import prepare, submit
@@ -176,7 +176,8 @@ def run_submit(args: argparse.Namespace) -> int:
             params = _params(args)
             client = ComfyClient(args.server, retries=args.retries, on_event=report,
                                  ca_bundle=args.ca_bundle, insecure=args.insecure,
-                                 max_download_bytes=args.max_download)
+                                 max_download_bytes=args.max_download,
+                                 deadline=Deadline(args.timeout))
             if args.check:
                 prompt = prepare(args.workflow, client.object_info(), params, targets, report)
                 print(json.dumps(prompt, indent=2))

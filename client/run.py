@@ -435,7 +435,8 @@ class _Run:
                 action = "had finished; not downloaded: " + ", ".join(left)
                 if isinstance(exc, RunTimeout):
                     raise RunTimeout(f"{exc}; prompt {self.prompt_id} {action}") from None
-                self.emit({"event": "cancelled", "why": "Ctrl-C", "prompt_id": self.prompt_id,
+                why = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+                self.emit({"event": "cancelled", "why": why, "prompt_id": self.prompt_id,
                            "action": action})
                 raise
             paths.append(path)
