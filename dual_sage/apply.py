@@ -88,6 +88,13 @@ class DualSageConfig:
                                  "of tokens, e.g. 8192")
         else:
             tokens = int(min_tokens)
+        # Parse the split now, for H3's heads and the named helpers (or as many devices as it
+        # has entries), so a typo is refused when the node is validated, not when it runs.
+        if not isinstance(split, str):
+            raise ValueError(f"head split {split!r} must be text such as '28:28' or 'auto'")
+        if split.strip().lower() not in ("auto", ""):
+            entries = len(split.replace(",", ":").split(":"))
+            parse_split(split, cls.heads, 1 + len(devices) if devices else max(2, entries))
         return cls(helpers=None if devices is None else tuple(str(d) for d in devices),
                    split=split, backend=backend.strip(), min_tokens=tokens, transport=transport)
 

@@ -9,6 +9,7 @@ headroom per GPU per phase. A job that cannot fit is reported with the smallest 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from .. import geometry
@@ -49,8 +50,14 @@ class PlanRequest:
     pinned_fraction: float = 0.5  # share of host RAM the pinned arena may take
 
     def __post_init__(self) -> None:
-        geometry.validate_canvas(self.width, self.height)
-        geometry.validate_canvas(self.pass1_width, self.pass1_height)
+        # numpy integers (a width read from an array) are accepted and stored as ints
+        for name in ("width", "height", "pass1_width", "pass1_height", "text_tokens",
+                     "lora_rank"):
+            object.__setattr__(self, name, geometry.as_int(getattr(self, name), name))
+        for name in ("frames", "resident_blocks"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, geometry.as_int(getattr(self, name), name))
+        geometry.validate_two_pass(self.pass1_width, self.pass1_height, self.width, self.height)
         if self.frames is None and self.seconds is None:
             raise ValueError("give seconds or frames for the clip length")
         if self.frames is not None:
@@ -67,14 +74,23 @@ class PlanRequest:
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel={self.parallel!r} is not valid; use one of "
                              f"{PARALLEL_MODES}")
-        for name in ("lora_rank", "text_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = none)")
+        for name, high, why in (
+                ("lora_rank", geometry.HIDDEN, "the DiT's width; the turbo LoRA's rank is 128"),
+                ("text_tokens", geometry.MAX_TEXT_TOKENS,
+                 "far more than any prompt; H3 prompts take a few hundred tokens")):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (0 = none)")
+            if value > high:
+                raise ValueError(f"{name}={value} is larger than {high} ({why})")
         if self.resident_blocks is not None and not 0 <= self.resident_blocks <= geometry.BLOCKS:
             raise ValueError(f"resident_blocks={self.resident_blocks} must be between 0 and "
                              f"{geometry.BLOCKS}")
-        if not 0.0 < self.pinned_fraction <= 0.9:
+        if not (isinstance(self.pinned_fraction, (int, float))
+                and 0.0 < self.pinned_fraction <= 0.9):
             raise ValueError(f"pinned_fraction={self.pinned_fraction} must be in (0, 0.9]")
+        if self.dit_file is not None and not isinstance(self.dit_file, (str, os.PathLike)):
+            raise ValueError(f"dit_file={self.dit_file!r} must be a path to a .safetensors file")
 
     @property
     def frame_count(self) -> int:
@@ -247,6 +263,7 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
     plan = Plan(request, profile, sizes, pass1, pass2, root, helpers, placement, dual,
                 ChunkPlan(chunks.ffn_chunk, chunks.qkv_chunk, chunks.head_group, chunk_reason),
                 prefetch, gpus, step, single, notes, parallel=parallel)
+    plan.notes.extend(_range_notes(request, profile, pass1, pass2, root, helpers))
     # 4. The video decode: the VAE's GPU alone, or its windows shared with the other GPUs.
     plan.decode = _plan_decode(plan)
     _check_fit(plan, suggest)
@@ -295,6 +312,22 @@ def _apply_parallel(parallel: ParallelPlan, gpus: list[GPUPlan], root: int, help
                      f"(root {choice.root_activation_bytes / GiB:.1f} GiB, helper "
                      f"{choice.helper_activation_bytes / GiB:.1f} GiB), DiT on the helper as a "
                      f"{choice.helper_weights}")
+
+
+def _range_notes(request: PlanRequest, profile: HardwareProfile, pass1, pass2, root: int,
+                 helpers: list[int]) -> list[str]:
+    """What the plan accepts but the user should know: untrained sizes, a missing kernel."""
+    notes = [w for w in (geometry.canvas_warning(pass1.width, pass1.height, "PASS1"),
+                         geometry.canvas_warning(pass2.width, pass2.height, "PASS2"),
+                         geometry.frames_warning(pass2.frames)) if w]
+    if request.quantized_attention:
+        for index in [root, *helpers]:
+            gpu = profile.gpus[index]
+            if not gpu.int8_attention_tflops:
+                notes.append(f"quantized attention: gpu:{index} ({gpu.name}) has no INT8 "
+                             f"attention kernel; its attention is timed at the "
+                             f"{gpu.compute_dtype} rate")
+    return notes
 
 
 def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2):
