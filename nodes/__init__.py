@@ -27,6 +27,8 @@ NODE_IDS = (
     "H3MultiGPUSageAttention",
     "H3MultiGPUUpscalerDevice",
     "H3MultiGPUKeyframesToSize",
+    "H3MultiGPULatentUpscalerLoader",
+    "H3MultiGPULatentUpscale",
 )
 
 
