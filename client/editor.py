@@ -11,8 +11,8 @@ index, so reading or writing one needs the editor's order of widgets and input s
   hidden is still a widget;
 - input slots: the sockets first (in `input_order`; an Autogrow (`COMFY_AUTOGROW_V3`) input
   becomes its connected slots `<name>.<prefix><i>` plus one free slot), then one slot per
-  widget that feeds an API input, in widget order; a DynamicCombo option's slots come right
-  before the combo's own slot, as the editor creates them.
+  widget that feeds an API input, in widget order (a DynamicCombo option's slots right after
+  the combo's own slot, where the editor puts them when it loads and saves a workflow).
 
 API format names a DynamicCombo's inner inputs by their dotted path (`format.codec`) and an
 Autogrow slot by `<name>.<slot>` (`ref_images.ref_image_0`). `tests/browser/` checks these rules
@@ -193,14 +193,8 @@ def slots(info: dict, values: dict | None = None, connected: set[str] | frozense
             widget_slots.append(Slot(UPLOAD_WIDGET, "IMAGEUPLOAD", False, True,
                                      "choose file to upload"))
             continue
-        slot = Slot(widget.name, _slot_type(widget.kind), widget.optional, True, label)
-        # The editor creates a DynamicCombo option's slots before the combo's own slot.
-        parent = widget.name.rsplit(".", 1)[0] if "." in widget.name else None
-        at = next((i for i, s in enumerate(widget_slots) if s.name == parent), None)
-        if at is None:
-            widget_slots.append(slot)
-        else:
-            widget_slots.insert(at, slot)
+        widget_slots.append(Slot(widget.name, _slot_type(widget.kind), widget.optional, True,
+                                 label))
     return sockets + widget_slots
 
 

@@ -134,8 +134,11 @@ async function loadOne(name, ui) {
 }
 
 async function screenshot(page, file, intoSubgraph) {
+  // The subgraph is wide: a larger viewport keeps its text readable in the picture.
+  await page.setViewport(intoSubgraph ? { width: 3000, height: 1500 } : { width: 1800, height: 1100 })
   await page.evaluate(async (inside) => {
     const app = window.app
+    app.canvas.min_font_size_for_lod = 0 // draw titles and widgets at any zoom
     if (inside) {
       const host = app.rootGraph.nodes.find((n) => n.isSubgraphNode?.())
       app.canvas.openSubgraph(host.subgraph, host)
@@ -162,6 +165,7 @@ async function screenshot(page, file, intoSubgraph) {
   await (canvas ?? page).screenshot({ path: file })
   if (intoSubgraph) {
     await page.evaluate(() => { const app = window.app; app.canvas.setGraph(app.rootGraph) })
+    await page.setViewport({ width: 1800, height: 1100 })
   }
 }
 
@@ -171,7 +175,9 @@ try {
   await page.goto(server, { waitUntil: 'networkidle2', timeout: 180000 })
   await page.waitForFunction(() => window.app?.rootGraph && window.LiteGraph, { timeout: 180000 })
   await page.evaluate(async () => {
-    await window.app.extensionManager.setting.set('Comfy.Validation.Workflows', true)
+    const settings = window.app.extensionManager.setting
+    await settings.set('Comfy.Validation.Workflows', true)
+    await settings.set('Comfy.Minimap.Visible', false)
   })
   for (const [name, file] of Object.entries(job.workflows)) {
     const ui = JSON.parse(fs.readFileSync(file, 'utf8'))
