@@ -318,3 +318,13 @@ def test_no_turbo_rewires_consumers_of_the_lora_to_its_model_source():
     assert bypassed["3"]["inputs"] == {"model": ["1", 0], "latent_image": ["9", 0]}
     assert "bypassed" in changes[0]
     assert prompt["3"]["inputs"]["model"] == ["2", 0]  # the caller's graph is untouched
+
+
+def test_missing_h3_classes_say_which_comfyui_is_needed():
+    graph = {"1": {"class_type": "MiniMaxH3ImageToVideo", "inputs": {}},
+             "2": {"class_type": "MiniMaxH3LatentUpscaleWithModel", "inputs": {}},
+             "3": {"class_type": "H3MultiGPU", "inputs": {}}}
+    text = "\n".join(str(p) for p in check_prompt(graph, OBJECT_INFO))
+    assert "MiniMax H3 nodes (ComfyUI#15224 or newer; update ComfyUI)" in text
+    assert "use this pack's 'H3 Latent Upscale'" in text
+    assert "install or update this pack (comfyui-h3-multigpu)" in text

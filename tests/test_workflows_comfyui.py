@@ -124,8 +124,7 @@ def test_submit_agrees_with_the_server(server, name):
     video["inputs"]["bit_depth"] = 12
     upscale = next(n for n in broken.values() if n["class_type"] == "H3MultiGPULatentUpscale")
     del upscale["inputs"]["width"]
-    status, answer = _post(url, broken)
-    assert status == 400, answer
+    _, answer = _post(url, broken)  # 200 when another output (GPU Status) is still valid
     refused = {n["class_type"] for n in answer["node_errors"].values()}
     problems = " ".join(str(p) for p in check_prompt(broken, info))
     assert "CreateVideo" in refused and "'bit_depth' = 12 is not offered" in problems

@@ -200,71 +200,79 @@ def two_pass(kind: str) -> Workflow:
                     seconds=seconds.ref("seconds"), devices="auto", lora_rank=128)
     prompt = sub.add("PrimitiveStringMultiline", "Prompt", (c2, 480), box=(400, 230),
                      value=prompt_in)
-    # Column 3: text encoding on the helper, then the encoder is released.
-    c3 = 3 * COLUMN + 20
+    # Each stage is two columns: the nodes that feed a sampler or a decode on the left, the
+    # node they feed on the right, so no wire runs back into its own column.
+    x = 3 * COLUMN + 20
     common = dict(clip=place.ref("clip"), vae=place.ref("vae"), prompt=prompt.ref("STRING"),
                   width=p1w.ref("INT"), height=p1h.ref("INT"), length=seconds.ref("frames"))
     if kind == "r2v":
-        cond = sub.add("MiniMaxH3ReferenceToVideo", "PASS1 Conditioning", (c3, 0), HELPER,
+        cond = sub.add("MiniMaxH3ReferenceToVideo", "PASS1 Conditioning", (x, 0), HELPER,
                        audio_vae=place.ref("audio_vae"), ref_image_size="match",
                        **{"ref_images.ref_image_0": images_in[0],
                           "ref_images.ref_image_1": images_in[1]}, **common)
     else:
         extra = {"first_frame": images_in[0]} if kind == "i2v" else {}
-        cond = sub.add("MiniMaxH3ImageToVideo", "PASS1 Conditioning", (c3, 0), HELPER,
+        cond = sub.add("MiniMaxH3ImageToVideo", "PASS1 Conditioning", (x, 0), HELPER,
                        **extra, **common)
-    release = sub.add("H3MultiGPUReleaseCLIP", "Release Text Encoder", (c3, 480), HELPER,
+    seed = sub.add("PrimitiveInt", "Seed", (x, 620), value=seed_in)
+    s1 = sub.add("PrimitiveInt", "PASS1 Steps", (x, 750), value=steps1)
+    x += COLUMN
+    release = sub.add("H3MultiGPUReleaseCLIP", "Release Text Encoder", (x, 0), HELPER,
                       conditioning=cond.ref("positive"), clip=place.ref("clip"),
                       release="auto", plan=place.ref("plan"))
-    seed = sub.add("PrimitiveInt", "Seed", (c3, 760), value=seed_in)
-    s1 = sub.add("PrimitiveInt", "PASS1 Steps", (c3, 890), value=steps1)
-    # Column 4: PASS1 on the root.
-    c4 = 4 * COLUMN + 40
-    sampler = sub.add("KSamplerSelect", "Sampler", (c4, 0), ROOT, sampler_name="res_multistep")
-    guider = sub.add("BasicGuider", "Guider", (c4, 130), ROOT, model=place.ref("model"),
+    # PASS1 on the root: noise, guider, sampler and schedule feed the sampler on their right.
+    x += COLUMN
+    noise1 = sub.add("RandomNoise", "PASS1 Noise", (x, 0), ROOT, noise_seed=seed.ref("INT"))
+    guider = sub.add("BasicGuider", "Guider", (x, 130), ROOT, model=place.ref("model"),
                      conditioning=release.ref("conditioning"))
-    sched1 = sub.add("BasicScheduler", "PASS1 Schedule", (c4, 270), ROOT,
+    sampler = sub.add("KSamplerSelect", "Sampler", (x, 260), ROOT,
+                      sampler_name="res_multistep")
+    sched1 = sub.add("BasicScheduler", "PASS1 Schedule", (x, 380), ROOT,
                      model=place.ref("model"), scheduler="simple", steps=s1.ref("INT"),
                      denoise=1.0)
-    noise1 = sub.add("RandomNoise", "PASS1 Noise", (c4, 450), ROOT, noise_seed=seed.ref("INT"))
-    pass1 = sub.add("SamplerCustomAdvanced", "PASS1 Sampler", (c4, 590), ROOT,
+    x += COLUMN
+    pass1 = sub.add("SamplerCustomAdvanced", "PASS1 Sampler", (x, 0), ROOT,
                     noise=noise1.ref("NOISE"), guider=guider.ref("GUIDER"),
                     sampler=sampler.ref("SAMPLER"), sigmas=sched1.ref("SIGMAS"),
                     latent_image=cond.ref("LATENT"))
-    # Column 5: the learned latent upscale on the helper (pixels, not a 1.5x factor).
-    c5 = 5 * COLUMN + 60
-    upscale = sub.add("H3MultiGPULatentUpscale", "Latent Upscale", (c5, 0), HELPER,
+    # The learned latent upscale on the helper (pixels, not a 1.5x factor).
+    x += COLUMN
+    upscale = sub.add("H3MultiGPULatentUpscale", "Latent Upscale", (x, 0), HELPER,
                       model=place.ref("latent_upscale_model"), samples=pass1.ref("output"),
                       width=p2w.ref("INT"), height=p2h.ref("INT"))
     upscale_group = [upscale]
+    s2 = sub.add("PrimitiveInt", "PASS2 Steps", (x, 750), value=steps2)
     guider2 = guider
-    c6 = 6 * COLUMN + 80
     if kind == "i2v":
-        keys = sub.add("H3MultiGPUKeyframesToSize", "PASS2 Keyframes", (c5, 270), HELPER,
+        keys = sub.add("H3MultiGPUKeyframesToSize", "PASS2 Keyframes", (x, 250), HELPER,
                        positive=release.ref("conditioning"), vae=place.ref("vae"),
                        latent=upscale.ref("LATENT"), first_frame=images_in[0])
         upscale_group.append(keys)
-        guider2 = sub.add("BasicGuider", "PASS2 Guider", (c6, 130), ROOT,
+    # PASS2 refinement on the root.
+    x += COLUMN
+    noise2 = sub.add("RandomNoise", "PASS2 Noise", (x, 0), ROOT, noise_seed=seed.ref("INT"))
+    if kind == "i2v":
+        guider2 = sub.add("BasicGuider", "PASS2 Guider", (x, 130), ROOT,
                           model=place.ref("model"), conditioning=keys.ref("positive"))
-    s2 = sub.add("PrimitiveInt", "PASS2 Steps", (c5, 890), value=steps2)
-    # Column 6: PASS2 refinement on the root.
-    sched2 = sub.add("BasicScheduler", "PASS2 Schedule", (c6, 270), ROOT,
+    sched2 = sub.add("BasicScheduler", "PASS2 Schedule", (x, 380), ROOT,
                      model=place.ref("model"), scheduler="simple", steps=s2.ref("INT"),
                      denoise=PASS2_DENOISE)
-    noise2 = sub.add("RandomNoise", "PASS2 Noise", (c6, 450), ROOT, noise_seed=seed.ref("INT"))
-    pass2 = sub.add("SamplerCustomAdvanced", "PASS2 Sampler", (c6, 590), ROOT,
+    x += COLUMN
+    pass2 = sub.add("SamplerCustomAdvanced", "PASS2 Sampler", (x, 0), ROOT,
                     noise=noise2.ref("NOISE"), guider=guider2.ref("GUIDER"),
                     sampler=sampler.ref("SAMPLER"), sigmas=sched2.ref("SIGMAS"),
                     latent_image=upscale.ref("LATENT"))
-    # Column 7: decode on the helper.
-    c7 = 7 * COLUMN + 100
-    dec = sub.add("VAEDecode", "Decode Video", (c7, 0), HELPER, samples=pass2.ref("output"),
+    # Decode on the helper, then the video.
+    x += COLUMN
+    dec = sub.add("VAEDecode", "Decode Video", (x, 0), HELPER, samples=pass2.ref("output"),
                   vae=place.ref("vae"))
-    adec = sub.add("VAEDecodeAudio", "Decode Audio", (c7, 150), HELPER,
+    adec = sub.add("VAEDecodeAudio", "Decode Audio", (x, 150), HELPER,
                    samples=pass2.ref("output"), vae=place.ref("audio_vae"))
-    video = sub.add("CreateVideo", "Create Video", (c7, 300), images=dec.ref("IMAGE"),
+    x += COLUMN
+    video = sub.add("CreateVideo", "Create Video", (x, 0), images=dec.ref("IMAGE"),
                     audio=adec.ref("AUDIO"), fps=24.0, bit_depth="auto", color_space="sRGB",
                     codec="none")
+    sub.output_pos = (x + COLUMN, 0)
     sub.output("VIDEO", "VIDEO", video.ref("VIDEO"))
     sub.output("status", "STRING", place.ref("status"))
 
@@ -273,14 +281,16 @@ def two_pass(kind: str) -> Workflow:
               [p2w, p2h, p1w, p1h, seconds])
     sub.group("plan + placement on the GPUs", PLAIN, [place])
     sub.group("prompt", PLAIN, [prompt])
-    sub.group("seed and steps", PLAIN, [seed, s1, s2])
+    sub.group("seed and PASS1 steps", PLAIN, [seed, s1])
+    sub.group("PASS2 steps", PLAIN, [s2])
     sub.group("gpu:0 text encoder, then released", HELPER, [cond, release])
     sub.group(f"gpu:1 PASS1 {PASS1_SIZE[0]}x{PASS1_SIZE[1]}", ROOT,
-              [sampler, guider, sched1, noise1, pass1])
+              [noise1, guider, sampler, sched1, pass1])
     sub.group(f"gpu:0 latent upscale to {PASS2_SIZE[0]}x{PASS2_SIZE[1]}", HELPER, upscale_group)
     sub.group(f"gpu:1 PASS2 {PASS2_SIZE[0]}x{PASS2_SIZE[1]}", ROOT,
-              [sched2, noise2, pass2] + ([guider2] if kind == "i2v" else []))
-    sub.group("gpu:0 decode", HELPER, [dec, adec, video])
+              [noise2, sched2, pass2] + ([guider2] if kind == "i2v" else []))
+    sub.group("gpu:0 decode", HELPER, [dec, adec])
+    sub.group("the video", PLAIN, [video])
 
     wf.extra = {"ds": {"scale": 0.8, "offset": [40, 60]}, "frontendVersion": "1.58.1"}
     return wf

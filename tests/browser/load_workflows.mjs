@@ -40,8 +40,8 @@ async function loadOne(name, ui) {
     const slotPos = (io, index) => io?.slots?.[index]?.pos
     const curves = []
     for (const link of graph.links.values()) {
-      const origin = link.origin_id === -10 ? null : graph.getNodeById(link.origin_id)
-      const target = link.target_id === -20 ? null : graph.getNodeById(link.target_id)
+      const origin = Number(link.origin_id) === -10 ? null : graph.getNodeById(link.origin_id)
+      const target = Number(link.target_id) === -20 ? null : graph.getNodeById(link.target_id)
       const a = origin ? origin.getOutputPos(link.origin_slot) : slotPos(graph.inputNode, link.origin_slot)
       const b = target ? target.getInputPos(link.target_slot) : slotPos(graph.outputNode, link.target_slot)
       if (!a || !b) continue
@@ -117,10 +117,10 @@ async function loadOne(name, ui) {
       links.push({
         graph: where, id: link.id, origin_id: link.origin_id, origin_slot: link.origin_slot,
         target_id: link.target_id, target_slot: link.target_slot,
-        input: input ? input.name : (link.target_id === -20 ? `output:${link.target_slot}` : null),
+        input: input ? input.name : (Number(link.target_id) === -20 ? `output:${link.target_slot}` : null),
         input_link: input ? input.link : null,
         output: origin?.outputs?.[link.origin_slot]?.name ??
-          (link.origin_id === -10 ? `input:${link.origin_slot}` : null)
+          (Number(link.origin_id) === -10 ? `input:${link.origin_slot}` : null)
       })
     }
   }
@@ -134,6 +134,8 @@ async function loadOne(name, ui) {
 }
 
 async function screenshot(page, file, intoSubgraph) {
+  // First-run dialogs (the template browser) would cover the graph.
+  for (let i = 0; i < 3; i++) await page.keyboard.press('Escape')
   // The subgraph is wide: a larger viewport keeps its text readable in the picture.
   await page.setViewport(intoSubgraph ? { width: 3000, height: 1500 } : { width: 1800, height: 1100 })
   await page.evaluate(async (inside) => {
@@ -178,6 +180,7 @@ try {
     const settings = window.app.extensionManager.setting
     await settings.set('Comfy.Validation.Workflows', true)
     await settings.set('Comfy.Minimap.Visible', false)
+    await settings.set('Comfy.TutorialCompleted', true)
   })
   for (const [name, file] of Object.entries(job.workflows)) {
     const ui = JSON.parse(fs.readFileSync(file, 'utf8'))
