@@ -137,7 +137,7 @@ async function screenshot(page, file, intoSubgraph) {
   // First-run dialogs (the template browser) would cover the graph.
   for (let i = 0; i < 3; i++) await page.keyboard.press('Escape')
   // The subgraph is wide: a larger viewport keeps its text readable in the picture.
-  await page.setViewport(intoSubgraph ? { width: 3000, height: 1500 } : { width: 1800, height: 1100 })
+  await page.setViewport(intoSubgraph ? { width: 3200, height: 1300 } : { width: 1800, height: 1100 })
   await page.evaluate(async (inside) => {
     const app = window.app
     app.canvas.min_font_size_for_lod = 0 // draw titles and widgets at any zoom
@@ -150,6 +150,10 @@ async function screenshot(page, file, intoSubgraph) {
     const nodes = app.canvas.graph.nodes
     const xs = nodes.flatMap((n) => [n.pos[0], n.pos[0] + n.size[0]])
     const ys = nodes.flatMap((n) => [n.pos[1] - 40, n.pos[1] + n.size[1]])
+    for (const io of [app.canvas.graph.inputNode, app.canvas.graph.outputNode]) {
+      const box = io?.boundingRect
+      if (box) { xs.push(box[0], box[0] + box[2]); ys.push(box[1], box[1] + box[3]) }
+    }
     const groups = app.canvas.graph.groups ?? []
     for (const g of groups) { xs.push(g._bounding[0], g._bounding[0] + g._bounding[2]); ys.push(g._bounding[1], g._bounding[1] + g._bounding[3]) }
     const [x0, x1, y0, y1] = [Math.min(...xs) - 180, Math.max(...xs) + 180,
