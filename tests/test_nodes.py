@@ -29,7 +29,12 @@ from h3_multigpu.nodes.placement import (
     placement_from_plan,
     should_release_text_encoder,
 )
-from h3_multigpu.nodes.status import compose_status, feature_lines, record
+from h3_multigpu.nodes.status import (
+    comfyui_support_line,
+    compose_status,
+    feature_lines,
+    record,
+)
 from h3_multigpu.twin import TwinPatcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -404,3 +409,14 @@ def test_sizes_in_bytes():
     for bad in ("24 parsecs", "-1GiB", "GiB"):
         with pytest.raises(ValueError, match="24GiB"):
             inputs.parse_bytes(bad, "pinned_budget")
+
+
+def test_status_says_whether_this_comfyui_runs_the_bundled_workflows():
+    old = comfyui_support_line({"KSampler": object})
+    assert old.startswith("ComfyUI: NO MiniMax H3 nodes") and "update ComfyUI" in old
+    assert "MiniMaxH3ImageToVideo" in old and "H3 Latent Upscale" in old
+    h3 = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1})
+    assert h3.startswith("ComfyUI: MiniMax H3 nodes present") and "is not needed" in h3
+    newest = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1,
+                                   "MiniMaxH3LatentUpscaleWithModel": 1})
+    assert "is also present" in newest
