@@ -179,7 +179,11 @@ def test_audio_mask_gives_rows_their_own_timesteps(tiny_config, tiny_twin, tiny_
     assert all(r % 3 == 2 for r in rows.tolist())
     plain = tiny_twin(x, t, c)
     masked = tiny_twin(x, t, c, audio_denoise_mask=mask)
-    assert not torch.equal(plain[1], masked[1])
+    assert not torch.equal(plain[1][..., 0], masked[1][..., 0])  # relabelled neighbours
+    kept = mask.clone()
+    kept[..., 4] = 0.0  # a preserved row: zero velocity
+    out = tiny_twin(x, t, c, audio_denoise_mask=kept)
+    assert torch.equal(out[1][..., 4], torch.zeros_like(out[1][..., 4]))
 
 
 def test_video_mask_scales_velocity_and_relabels_rows(tiny_twin, tiny_inputs):

@@ -9,6 +9,7 @@ keyword arguments the sampler passes to every forward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .config import TwinConfig
 from .dit import MiniMaxH3Twin
@@ -48,14 +49,16 @@ def make_conditioning(model: MiniMaxH3Twin, context: torch.Tensor, x: list[torch
                       audio_scale: float = 1.0, seed: int = 0,
                       text_token_tags: torch.Tensor | None = None,
                       visual_cond_noise_aug: float | None = None,
-                      audio_cond_noise_aug: float | None = None) -> dict:
+                      audio_cond_noise_aug: float | None = None,
+                      denoise_masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """{"context": refined text, "minimax_payload": {...}} for `model(x, timestep, **this)`.
 
     keyframes: dicts with "resolved_frame_index" (pixel frame) and "latent" `[1, c, t, H, W]`
     and/or "audio_latent" `[1, c, 2, T]`. refs: dicts with "kind" (image / audio / video /
     video_audio), "latent_h", "latent_w", "latent_t", "ref_audio_t", "latent", "audio_latent".
     `audio_scale`: the scale the sampler carries the audio latent at (sigma shift video / audio
-    when sampling the packed audio-video latent, else 1).
+    when sampling the packed audio-video latent, else 1). `denoise_masks`: (video, audio)
+    per-pixel masks, see `mask_conditioning`.
     """
     refined = model.preprocess_text_embeds(context)
     payload: dict = {}
@@ -79,9 +82,38 @@ def make_conditioning(model: MiniMaxH3Twin, context: torch.Tensor, x: list[torch
         payload["audio_cond_noise_aug"] = audio_cond_noise_aug
     payload["seed"] = seed
     payload["audio_scale"] = audio_scale
+    out: dict = {}
+    if denoise_masks is not None:
+        out.update(mask_conditioning(*denoise_masks))
     video_shape, audio_shape = x[0].shape, x[1].shape
     payload["layout"] = SequenceLayout(
         refined.shape[1], video_shape[2], (video_shape[3] + 1) // 2 * 2,
         (video_shape[4] + 1) // 2 * 2, audio_shape[-1], keyframes=payload.get("keyframes"),
         refs=payload.get("refs"))
-    return {"context": refined, "minimax_payload": payload}
+    return {**out, "context": refined, "minimax_payload": payload}
+
+
+LABEL_STEPS = 256.0  # mask labels are rounded up to 1/256
+
+
+def mask_conditioning(video_mask: torch.Tensor, audio_mask: torch.Tensor) -> dict:
+    """Per-pixel denoise masks -> the forward's `denoise_mask` / `audio_denoise_mask`.
+
+    video_mask `[1, c, T, H, W]`, audio_mask `[1, c, 2, T]`, 1 = generate. A video mask is
+    pooled to its 2x2 patches (max, edges replicated), an audio mask over channels (max); both
+    are rounded up to 1/256. A stream whose mask generates everywhere gets no entry.
+    """
+    h, w = video_mask.shape[-2:]
+    padded = F.pad(video_mask.reshape((-1,) + video_mask.shape[-3:]), (0, w % 2, 0, h % 2),
+                   mode="replicate").reshape(video_mask.shape[:-2] + (h + h % 2, w + w % 2))
+    pooled = padded.reshape(padded.shape[:-2] + ((h + 1) // 2, 2, (w + 1) // 2, 2)).amax(
+        dim=(-3, -1))
+    video = pooled.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)[..., :h, :w]
+    audio = audio_mask.amax(dim=1, keepdim=True).expand_as(audio_mask)
+    video, audio = (torch.ceil(m * LABEL_STEPS) / LABEL_STEPS for m in (video, audio))
+    out = {}
+    if torch.amin(video).item() < 1.0 - 1e-3:
+        out["denoise_mask"] = video[:1, :1].clone()
+    if torch.amin(audio).item() < 1.0 - 1e-3:
+        out["audio_denoise_mask"] = audio[:1].amax(dim=1, keepdim=True)
+    return out
