@@ -31,6 +31,9 @@ pytestmark = pytest.mark.comfyui
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADALN = {"pruned": TwinConfig.tiny(), "full": TwinConfig.tiny(adaln_grid=None, t_dim=24)}
+# on a GPU: upstream's 128-wide heads and 3 x 16 rotary frequencies, two blocks
+GPU_CONFIG = TwinConfig.tiny(hidden=512, heads=4, head_dim=128, ffn=1024, blocks=2,
+                             text_dim=256, t_dim=64, adaln_grid=64, rope_freqs_per_axis=16)
 SHAPE = {"latent_t": 3, "latent_h": 4, "latent_w": 6, "audio_t": 5}
 
 
@@ -64,28 +67,30 @@ def same_attention(comfy, monkeypatch):
 _PAIRS: dict = {}
 
 
-def pair(comfy, adaln: str, dtype_name: str):
+def pair(comfy, adaln: str, dtype_name: str, device: str = "cpu"):
     """(twin, ComfyUI's MiniMaxH3 base model) with one state dict, cached per config."""
-    key = (adaln, dtype_name)
+    key = (adaln, dtype_name, device)
     if key not in _PAIRS:
-        cfg, dtype = ADALN[adaln], DTYPES[dtype_name]
+        cfg, dtype = GPU_CONFIG if adaln == "gpu" else ADALN[adaln], DTYPES[dtype_name]
         twin = make_twin(cfg, dtype=dtype, seed=3)
         model_config = comfy.supported.MiniMaxH3(dict(cfg.upstream_kwargs(),
                                                       image_model="minimax_h3"))
         model_config.set_inference_dtype(dtype, None)
         base = model_config.get_model({}, device="cpu")
         base.diffusion_model.load_state_dict(twin.state_dict(), strict=True)
-        base.diffusion_model.requires_grad_(False).eval()
-        _PAIRS[key] = (twin, base)
+        base.diffusion_model.requires_grad_(False).eval().to(device)
+        _PAIRS[key] = (twin.to(device), base)
     return _PAIRS[key]
 
 
-def inputs(cfg: TwinConfig, dtype, seed=1, latent_h=4, latent_w=6):
+def inputs(cfg: TwinConfig, dtype, seed=1, latent_h=4, latent_w=6, device="cpu", shape=None):
+    shape = dict(SHAPE if shape is None else shape)
     gen = torch.Generator().manual_seed(seed)
-    video = torch.randn(1, cfg.latents_dim, SHAPE["latent_t"], latent_h, latent_w, generator=gen)
-    audio = torch.randn(1, cfg.audio_latents_dim, 2, SHAPE["audio_t"], generator=gen)
+    video = torch.randn(1, cfg.latents_dim, shape["latent_t"], latent_h, latent_w, generator=gen)
+    audio = torch.randn(1, cfg.audio_latents_dim, 2, shape["audio_t"], generator=gen)
     context = torch.randn(1, 16, cfg.text_dim, generator=gen).to(dtype)
-    return [video, audio], torch.tensor([700.0]), context
+    return ([video.to(device), audio.to(device)], torch.tensor([700.0], device=device),
+            context.to(device))
 
 
 def conditions(cfg: TwinConfig):
@@ -120,7 +125,7 @@ def upstream_conds(comfy, base, x, context, case: dict) -> dict:
     """What ComfyUI's sampler passes the diffusion model: extra_conds of the real model class."""
     shapes = [x[0].shape, x[1].shape]
     base.latent_shapes = shapes  # the packed audio-video latent: audio carried at shift ratio
-    kwargs = {"cross_attn": context, "device": "cpu", "latent_shapes": shapes,
+    kwargs = {"cross_attn": context, "device": context.device, "latent_shapes": shapes,
               "seed": case.get("seed", 0)}
     names = {"keyframes": "minimax_keyframes", "refs": "minimax_refs",
              "text_token_tags": "minimax_token_tags",
@@ -292,3 +297,30 @@ def test_twin_on_comfy_operations_is_the_same_twin(comfy):
     assert type(on_ops.blocks[0].attn.qkv_proj).__module__ == "comfy.ops"
     x, t, context = inputs(cfg, torch.bfloat16)
     assert_equal(run(plain, x, t, {"context": context}), run(on_ops, x, t, {"context": context}))
+
+
+def _on(device, case: dict) -> dict:
+    """The case's tensors on `device` (keyframe / reference latents and masks)."""
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(move(v) for v in value)
+        return value
+    return move(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["t2va", "keyframes", "references", "audio_mask"])
+def test_gpu_bf16_forward_is_bit_identical(comfy, case):
+    """On a GPU, bf16, 128-wide heads: upstream and twin run the same CUDA kernels in order."""
+    twin, base = pair(comfy, "gpu", "bf16", "cuda")
+    shape = {"latent_t": 3, "audio_t": 5}
+    x, t, context = inputs(twin.cfg, torch.bfloat16, latent_h=4, latent_w=6, device="cuda",
+                           shape=shape)
+    spec = {} if case == "t2va" else _on("cuda", conditions(twin.cfg)[case])
+    theirs = upstream_conds(comfy, base, x, context, spec)
+    ours = twin_conds(twin, x, context, spec)
+    assert_equal(run(base.diffusion_model, x, t, theirs), run(twin, x, t, ours))

@@ -13,7 +13,13 @@ from .attention import (
 )
 from .config import TwinConfig
 from .dit import MiniMaxH3Twin, PackedInputs
-from .factory import make_conditioning, make_inputs, make_twin
+from .factory import (
+                        make_conditioning,
+                        make_inputs,
+                        make_twin,
+                        mask_conditioning,
+                        select_checkpoint_attention,
+)
 from .layout import SequenceLayout
 from .patcher import TwinPatcher
 
@@ -30,5 +36,7 @@ __all__ = [
     "make_conditioning",
     "make_inputs",
     "make_twin",
+    "mask_conditioning",
     "optimized_attention",
+    "select_checkpoint_attention",
 ]

@@ -183,6 +183,13 @@ class ComfyAttention(torch.nn.Module):
         self.config: dict | None = None
         self.function: Callable[..., torch.Tensor] | None = None
 
+    def select(self, method: str | None, device: torch.device | None = None) -> None:
+        """What loading a checkpoint whose config names `method` does (None: the default)."""
+        self.config, self.function = None, None
+        if method is not None:
+            self.config = {"attention": method}
+            self.function = PREFERRED_ATTENTION[method](device)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         self.config = None

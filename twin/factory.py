@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention import ComfyAttention
 from .config import TwinConfig
 from .dit import MiniMaxH3Twin
 from .layout import SequenceLayout
@@ -117,3 +118,14 @@ def mask_conditioning(video_mask: torch.Tensor, audio_mask: torch.Tensor) -> dic
     if torch.amin(audio).item() < 1.0 - 1e-3:
         out["audio_denoise_mask"] = audio[:1].amax(dim=1, keepdim=True)
     return out
+
+
+def select_checkpoint_attention(model: torch.nn.Module, method: str | None,
+                                device: torch.device | None = None) -> int:
+    """Every attention module as if the checkpoint's `comfy_attention.config` named `method`
+    ("comfy_kitchen_int8": comfy-kitchen's INT8 attention where it runs on `device`).
+    Returns how many modules got a preferred function."""
+    slots = [m for m in model.modules() if isinstance(m, ComfyAttention)]
+    for slot in slots:
+        slot.select(method, device)
+    return sum(slot.function is not None for slot in slots)
