@@ -18,6 +18,7 @@ from h3_multigpu.twin import (
     make_conditioning,
     make_inputs,
     make_twin,
+    select_checkpoint_attention,
 )
 from h3_multigpu.twin import layout as layout_module
 from h3_multigpu.twin.attention import wrap_attn
@@ -306,6 +307,11 @@ def test_checkpoint_attention_config_selects_the_preferred_function(tiny_config,
     state["blocks.1.attn.comfy_attention.config"] = attention_config_tensor("no_such_kernel")
     model.load_state_dict(state)
     assert slot.config is None and slot.function is None
+    # the same without a state dict; no INT8 kernel on a CPU, so no function either
+    assert select_checkpoint_attention(model, "comfy_kitchen_int8", torch.device("cpu")) == 0
+    assert slot.config == {"attention": "comfy_kitchen_int8"}
+    with pytest.raises(ValueError, match="no_such_kernel"):
+        select_checkpoint_attention(model, "no_such_kernel")
 
 
 def test_block_replace_patch_gets_layout_and_can_swap_attention(tiny_twin, tiny_inputs):

@@ -187,6 +187,9 @@ class ComfyAttention(torch.nn.Module):
         """What loading a checkpoint whose config names `method` does (None: the default)."""
         self.config, self.function = None, None
         if method is not None:
+            if method not in PREFERRED_ATTENTION:
+                raise ValueError(f"unknown checkpoint attention {method!r}; the twin knows "
+                                 f"{sorted(PREFERRED_ATTENTION)} (or None for the default)")
             self.config = {"attention": method}
             self.function = PREFERRED_ATTENTION[method](device)
 
