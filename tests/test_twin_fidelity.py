@@ -234,6 +234,30 @@ def test_partial_video_mask(comfy):
     assert_equal(run(base.diffusion_model, x, t, conds), run(twin, x, t, conds))
 
 
+def test_sigma_shifts_from_transformer_options_and_wrappers_see_the_same(comfy):
+    """Shift overrides (MiniMaxH3SigmaShift) and DIFFUSION_MODEL wrappers, with the carry.
+
+    (Only the ratio of the two shifts moves the audio sigma: 8 / 4, not 12 / 3.)
+    """
+    twin, base = pair(comfy, "pruned", "bf16")
+    x, t, context = inputs(twin.cfg, torch.bfloat16)
+    seen: dict = {"upstream": [], "twin": []}
+
+    def options(side):
+        def wrapper(executor, x, timestep, context, transformer_options, **kwargs):
+            seen[side].append((x[1], sorted(kwargs)))
+            return executor(x, timestep, context, transformer_options, **kwargs)
+        return {"minimax_h3_sigma_shift_video": 8.0, "minimax_h3_sigma_shift_audio": 4.0,
+                "wrappers": {"diffusion_model": {"probe": [wrapper]}}}
+
+    conds = {"context": context, "minimax_payload": {"audio_scale": 4.0}}
+    shifted = run(twin, x, t, conds, options("twin"))
+    assert_equal(run(base.diffusion_model, x, t, conds, options("upstream")), shifted)
+    (up_audio, up_keys), (our_audio, our_keys) = seen["upstream"][0], seen["twin"][0]
+    assert torch.equal(up_audio, our_audio) and up_keys == our_keys
+    assert not torch.equal(shifted[1], run(twin, x, t, conds)[1])  # the shifts were used
+
+
 # ----------------------------------------------------------------------------- hooks
 def test_block_replace_patches_receive_the_same_args(comfy):
     twin, base = pair(comfy, "full", "bf16")
