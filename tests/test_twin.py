@@ -363,3 +363,25 @@ def test_batch_size_must_be_one(tiny_config, tiny_twin):
     x = [torch.cat([x[0], x[0]]), x[1]]
     with pytest.raises(ValueError, match="batch size 1"):
         TwinPatcher(tiny_twin).apply_model(x, t, c)
+
+
+def test_comfyui_attention_rebinds_the_dispatch_and_restores_it(tiny_twin, tiny_inputs):
+    from types import SimpleNamespace
+
+    from h3_multigpu.twin import AttentionTensorContainer, comfyui_attention
+    from h3_multigpu.twin import model as layers
+    from h3_multigpu.twin.attention import optimized_attention
+
+    calls = []
+
+    def dispatch(q, k, v, heads, **kwargs):
+        calls.append(heads)
+        return optimized_attention(q, k, v, heads, **kwargs)
+
+    fake = SimpleNamespace(optimized_attention=dispatch,
+                           AttentionTensorContainer=AttentionTensorContainer)
+    plain = TwinPatcher(tiny_twin).apply_model(*tiny_inputs)
+    with comfyui_attention(fake):
+        routed = TwinPatcher(tiny_twin).apply_model(*tiny_inputs)
+    assert calls == [8] * 4 and torch.equal(plain[0], routed[0])
+    assert layers.optimized_attention is optimized_attention

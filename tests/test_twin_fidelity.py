@@ -25,7 +25,13 @@ import pytest
 import torch
 
 import h3_multigpu.twin.model as twin_layers
-from h3_multigpu.twin import TwinConfig, attention_config_tensor, make_conditioning, make_twin
+from h3_multigpu.twin import (
+    TwinConfig,
+    attention_config_tensor,
+    comfyui_attention,
+    make_conditioning,
+    make_twin,
+)
 
 pytestmark = pytest.mark.comfyui
 
@@ -58,10 +64,10 @@ def comfy():
 
 
 @pytest.fixture(autouse=True)
-def same_attention(comfy, monkeypatch):
-    monkeypatch.setattr(twin_layers, "optimized_attention", comfy.attention.optimized_attention)
-    monkeypatch.setattr(twin_layers, "AttentionTensorContainer",
-                        comfy.attention.AttentionTensorContainer)
+def same_attention(comfy):
+    with comfyui_attention(comfy.attention):
+        assert twin_layers.optimized_attention is comfy.attention.optimized_attention
+        yield
 
 
 _PAIRS: dict = {}

@@ -5,20 +5,21 @@ Same module paths, parameter names and forward as upstream's `comfy/ldm/minimax/
 """
 
 from .attention import (
-                        AttentionTensorContainer,
-                        ComfyAttention,
-                        attention_config_tensor,
-                        attention_pytorch,
-                        optimized_attention,
+    AttentionTensorContainer,
+    ComfyAttention,
+    attention_config_tensor,
+    attention_pytorch,
+    optimized_attention,
 )
 from .config import TwinConfig
 from .dit import MiniMaxH3Twin, PackedInputs
 from .factory import (
-                        make_conditioning,
-                        make_inputs,
-                        make_twin,
-                        mask_conditioning,
-                        select_checkpoint_attention,
+    comfyui_attention,
+    make_conditioning,
+    make_inputs,
+    make_twin,
+    mask_conditioning,
+    select_checkpoint_attention,
 )
 from .layout import SequenceLayout
 from .patcher import TwinPatcher
@@ -33,6 +34,7 @@ __all__ = [
     "TwinPatcher",
     "attention_config_tensor",
     "attention_pytorch",
+    "comfyui_attention",
     "make_conditioning",
     "make_inputs",
     "make_twin",

@@ -8,9 +8,14 @@ keyword arguments the sampler passes to every forward.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
+from . import model as layers
 from .attention import ComfyAttention
 from .config import TwinConfig
 from .dit import MiniMaxH3Twin
@@ -129,3 +134,22 @@ def select_checkpoint_attention(model: torch.nn.Module, method: str | None,
     for slot in slots:
         slot.select(method, device)
     return sum(slot.function is not None for slot in slots)
+
+
+@contextlib.contextmanager
+def comfyui_attention(attention_module: ModuleType) -> Iterator[None]:
+    """Within the block, twin attention goes through ComfyUI's own dispatch and kernels.
+
+    `attention_module` is `comfy.ldm.modules.attention`: its `optimized_attention` (the kernel
+    ComfyUI picked for this machine: sub-quadratic on CPU, SDPA with its backend priority on
+    CUDA, or sage / flash / xformers by flag) and its `AttentionTensorContainer` replace the
+    twin's, exactly as upstream H3 imports them. The chunked block forward looks them up on the
+    twin's module at call time, so it follows too.
+    """
+    saved = (layers.optimized_attention, layers.AttentionTensorContainer)
+    layers.optimized_attention = attention_module.optimized_attention
+    layers.AttentionTensorContainer = attention_module.AttentionTensorContainer
+    try:
+        yield
+    finally:
+        layers.optimized_attention, layers.AttentionTensorContainer = saved
