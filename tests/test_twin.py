@@ -385,3 +385,21 @@ def test_comfyui_attention_rebinds_the_dispatch_and_restores_it(tiny_twin, tiny_
         routed = TwinPatcher(tiny_twin).apply_model(*tiny_inputs)
     assert calls == [8] * 4 and torch.equal(plain[0], routed[0])
     assert layers.optimized_attention is optimized_attention
+
+
+def test_mask_conditioning_pools_to_patches_and_channels():
+    from h3_multigpu.twin import mask_conditioning
+
+    video = torch.ones(1, 24, 2, 4, 6)
+    video[:, :, 0, :2, :2] = 0.0  # one whole 2x2 patch preserved
+    video[:, :, 1, 0, 0] = 0.0  # one pixel of a patch: the patch's max is still 1
+    audio = torch.ones(1, 32, 2, 5)
+    audio[:, :, 0, 1] = 0.3
+    audio[:, 5, 0, 1] = 0.6  # max over channels wins, rounded up to 1/256
+    out = mask_conditioning(video, audio)
+    assert out["denoise_mask"].shape == (1, 1, 2, 4, 6)
+    assert out["denoise_mask"][0, 0, 0, :2, :2].eq(0).all()
+    assert out["denoise_mask"].sum().item() == 2 * 24 - 4
+    assert out["audio_denoise_mask"].shape == (1, 1, 2, 5)
+    assert out["audio_denoise_mask"][0, 0, 0, 1].item() == math.ceil(0.6 * 256) / 256
+    assert mask_conditioning(torch.ones_like(video), torch.ones_like(audio)) == {}
