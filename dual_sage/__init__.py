@@ -18,7 +18,7 @@ _LAZY = {
     "parse_split": "shard_plan",
     "split_weighted": "shard_plan",
     "ShardedAttention": "sharded",
-    "TransportMode": "transport",
+    "TransportMode": "apply",
 }
 
 

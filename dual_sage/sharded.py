@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..exchange.streams import Event, Lane, current_stream, on_streams, record, wait
+from ..exchange.transport import TransportMode, fetch_chunk, resolve, send_chunk
+from ..exchange.workspace import Workspace, WorkspaceKey
 from ..kernels import AttentionBackend, attention, get_backend
 from . import sizing
 from .shard_plan import ShardPlan
-from .streams import Event, Lane, current_stream, on_streams, record, wait
-from .transport import TransportMode, fetch_chunk, resolve, send_chunk
-from .workspace import Workspace, WorkspaceKey
 
 log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()

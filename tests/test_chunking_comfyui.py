@@ -7,11 +7,9 @@ results chunked and unchunked, with a LoRA injected through ComfyUI's `BypassFor
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from comfyui_h3 import import_comfyui_or_skip
 
 from h3_multigpu.chunking import ChunkingConfig
 from h3_multigpu.chunking.block import ChunkedBlockForward
@@ -22,17 +20,17 @@ pytestmark = pytest.mark.comfyui
 
 @pytest.fixture(scope="module")
 def comfy_h3():
-    sys.path.insert(0, os.environ["COMFYUI_PATH"])
+    # skips with the reason when ComfyUI cannot be imported here at all (missing requirements,
+    # RuntimeError from a GPU-less machine, no H3 model)
+    comfy = import_comfyui_or_skip()
     try:
-        import comfy.model_management as mm
-        import comfy.ops
-        from comfy.ldm.minimax import model as h3
         from comfy.weight_adapter.bypass import BypassForwardHook
         from comfy.weight_adapter.lora import LoRAAdapter
-    except ImportError as exc:  # an older ComfyUI (no H3) or its requirements not installed here
-        pytest.skip(f"ComfyUI's H3 model cannot be imported in this Python: {exc}")
+    except ImportError as exc:  # a ComfyUI without bypass LoRA
+        pytest.skip(f"this ComfyUI has no bypass LoRA (comfy.weight_adapter.bypass): {exc}")
 
-    return h3, comfy.ops, mm, BypassForwardHook, LoRAAdapter
+    h3 = comfy.ldm.minimax.model
+    return h3, comfy.ops, comfy.model_management, BypassForwardHook, LoRAAdapter
 
 
 def _block(comfy_h3, device):

@@ -1,0 +1,8 @@
+"""Shared plumbing for moving tensors between GPUs of one process, without NCCL.
+
+Used by both multi-GPU modes: Dual-Sage (`dual_sage/`, heads sharded per attention call) and the
+sequence-parallel mode (`sequence/`, rows split over the whole block loop). What lives here:
+streams and events that degrade to no-ops on CPU stand-in devices (`streams`), the two transports,
+peer copies and the chunked pinned host relay (`transport`), and the reusable buffers of one
+Dual-Sage helper lane (`workspace`).
+"""

@@ -1,0 +1,450 @@
+"""Run the real ComfyUI MiniMax H3 model in-process: a tiny real model, the real ModelPatcher,
+the real sampler path, weight-patch LoRA cycles and attention call counters.
+
+    comfy = import_comfyui_or_skip()              # pytest.skip with the reason when unusable
+    patcher = make_tiny_h3(TinyH3Config(adaln="curve"), seed=0)
+    inputs = make_inputs(TinyH3Config(), keyframe=True, audio_mask=True)
+    base = run_like_sampler(patcher, inputs)      # (video, audio) after one real sampler step
+    lora = with_lora(patcher, make_lora_state_dict(patcher, rank=4, seed=3))
+    on = run_like_sampler(lora, inputs)           # ComfyUI patches the weights while loading
+    off = run_like_sampler(patcher, inputs)       # ComfyUI unpatches them: equal to `base`
+    with AttentionCounter() as calls:
+        run_like_sampler(patcher, inputs)
+    assert calls.default == calls.entered == 4    # 2 refiner blocks (extra_conds) + 2 DiT blocks
+
+ComfyUI is found through $COMFYUI_PATH and imported into this process. Its `comfy.cli_args`
+only parses sys.argv when `comfy.options.args_parsing` is on, so importing it here reads the
+defaults; on a machine without CUDA the harness sets `--cpu` before `comfy.model_management`
+is imported (that import raises RuntimeError on a GPU-less machine otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+_IMPORT_ERROR: str | None = None
+_COMFY: ModuleType | None = None
+
+
+class ComfyUIUnavailable(RuntimeError):
+    """ComfyUI (with the MiniMax H3 model) cannot be imported here; the message says why."""
+
+
+def import_comfyui(path: str | os.PathLike | None = None) -> ModuleType:
+    """Import ComfyUI from `path` (default $COMFYUI_PATH) and return its `comfy` package.
+
+    Raises ComfyUIUnavailable with the reason when the path is unset, the import fails for any
+    reason (missing requirements, no GPU driver, ...) or the tree has no H3 model.
+    """
+    global _COMFY, _IMPORT_ERROR
+    if _COMFY is not None:
+        return _COMFY
+    if _IMPORT_ERROR is not None:
+        raise ComfyUIUnavailable(_IMPORT_ERROR)
+    root = os.fspath(path) if path is not None else os.environ.get("COMFYUI_PATH")
+    try:
+        if not root:
+            raise ComfyUIUnavailable("set COMFYUI_PATH to a ComfyUI checkout")
+        if not os.path.isfile(os.path.join(root, "comfy", "model_patcher.py")):
+            raise ComfyUIUnavailable(f"COMFYUI_PATH={root} holds no comfy/model_patcher.py")
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        import comfy.cli_args
+        import comfy.options  # noqa: F401  (args_parsing stays off: sys.argv is not parsed)
+
+        if not torch.cuda.is_available():
+            comfy.cli_args.args.cpu = True
+        for name in ("comfy.model_management", "comfy.model_patcher", "comfy.model_base",
+                     "comfy.samplers", "comfy.sample", "comfy.sd", "comfy.lora",
+                     "comfy.nested_tensor", "comfy.supported_models",
+                     "comfy.ldm.modules.attention"):
+            importlib.import_module(name)
+        try:
+            importlib.import_module("comfy.ldm.minimax.model")
+        except ImportError as exc:
+            raise ComfyUIUnavailable(f"this ComfyUI has no MiniMax H3 model "
+                                     f"(comfy.ldm.minimax): {exc}") from exc
+        import comfy
+        if not hasattr(comfy.model_base, "MiniMaxH3"):
+            raise ComfyUIUnavailable("this ComfyUI has no comfy.model_base.MiniMaxH3")
+    except ComfyUIUnavailable as exc:
+        _IMPORT_ERROR = str(exc)
+        raise
+    except BaseException as exc:  # ImportError, RuntimeError (no GPU driver), SystemExit, ...
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        _IMPORT_ERROR = f"importing ComfyUI from {root} failed: {type(exc).__name__}: {exc}"
+        raise ComfyUIUnavailable(_IMPORT_ERROR) from exc
+    _COMFY = comfy
+    return comfy
+
+
+def import_comfyui_or_skip(path: str | os.PathLike | None = None) -> ModuleType:
+    """`import_comfyui`, turning ComfyUIUnavailable into pytest.skip with the reason."""
+    import pytest
+
+    try:
+        return import_comfyui(path)
+    except ComfyUIUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny real model
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TinyH3Config:
+    """A tiny MiniMaxH3Model that keeps H3's 128-dim heads and its rope split (3 x 16 freqs).
+
+    adaln="curve" is the pruned checkpoint form (`adaln_t_table`, no time embedder, fp32
+    AdaLN projections without SiLU); adaln="full" has the time embedder and model-dtype AdaLN.
+    """
+
+    hidden: int = 256
+    heads: int = 2
+    head_dim: int = 128
+    ffn: int = 512
+    blocks: int = 2
+    refiner_blocks: int = 2
+    text_dim: int = 64
+    time_embed_dim: int = 128
+    adaln: str = "curve"
+    curve_grid: int = 33
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.adaln not in ("curve", "full"):
+            raise ValueError(f"adaln={self.adaln!r}: use 'curve' (pruned) or 'full'")
+
+    def unet_config(self) -> dict[str, Any]:
+        return {
+            "image_model": "minimax_h3",
+            "hidden_size": self.hidden,
+            "num_layers": self.blocks,
+            "token_refiner_num_layers": self.refiner_blocks,
+            "num_attention_heads": self.heads,
+            "attention_head_dim": self.head_dim,
+            "ffn_hidden_size": self.ffn,
+            "text_dim": self.text_dim,
+            "time_embed_hidden_size": self.hidden,
+            "time_embed_dim": self.time_embed_dim,
+            "adaln_curve_grid": self.curve_grid if self.adaln == "curve" else None,
+        }
+
+
+def _random_state_dict(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights of a sensible scale for every parameter and buffer of the DiT."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in sorted(model.state_dict().items()):
+        shape, dtype = tuple(tensor.shape), tensor.dtype
+        if name.endswith("inv_freq"):
+            value = 1.0 / (10000.0 ** (torch.arange(shape[0], dtype=torch.float64) / shape[0]))
+        elif "norm" in name and name.endswith("weight"):
+            value = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        elif name.endswith("bias"):
+            value = 0.02 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        elif name.endswith("adaln_t_table"):
+            value = 0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        elif len(shape) >= 2:
+            value = torch.randn(shape, generator=gen, dtype=torch.float64) / shape[-1] ** 0.5
+        else:
+            value = 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        out[name] = value.to(dtype)
+    return out
+
+
+def make_tiny_h3(config: TinyH3Config = TinyH3Config(), *, seed: int = 0,
+                 load_device: torch.device | str | None = None,
+                 offload_device: torch.device | str = "cpu"):
+    """The real `comfy.model_base.MiniMaxH3` (from the real supported-model entry) with seeded
+    weights, wrapped in a real `comfy.model_patcher.ModelPatcher`.
+
+    load_device defaults to ComfyUI's torch device (CPU here). The model is built on the
+    offload device, the way ComfyUI's loader builds it.
+    """
+    comfy = import_comfyui()
+    load_device = torch.device(load_device) if load_device is not None else \
+        comfy.model_management.get_torch_device()
+    offload_device = torch.device(offload_device)
+    model_config = comfy.supported_models.MiniMaxH3(config.unet_config())
+    model_config.set_inference_dtype(config.dtype, None)
+    model = model_config.get_model({}, "", device=offload_device)
+    sd = _random_state_dict(model.diffusion_model, seed)
+    missing, unexpected = model.diffusion_model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"tiny H3 weights do not match the model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    return comfy.model_patcher.ModelPatcher(model, load_device=load_device,
+                                            offload_device=offload_device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs the way ComfyUI's H3 nodes hand them to the sampler
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class H3Inputs:
+    latent: Any                       # comfy.nested_tensor.NestedTensor (video, audio)
+    noise: Any                        # same structure
+    positive: list                    # ComfyUI CONDITIONING: [[cross_attn, {extra}]]
+    denoise_mask: Any | None = None   # NestedTensor (video mask, audio mask) or None
+    extra: dict = field(default_factory=dict)
+
+
+def make_inputs(config: TinyH3Config = TinyH3Config(), *,
+                latent_thw: tuple[int, int, int] = (3, 4, 6), audio_t: int = 5,
+                text_len: int = 16, keyframe: bool = False,
+                audio_mask: bool = False, seed: int = 1) -> H3Inputs:
+    """Seeded latent (video [1,24,T,H,W] + audio [1,32,2,Ta]), noise and conditioning.
+
+    keyframe=True adds one first-frame keyframe condition (a clean [1,24,1,H,W] latent at
+    frame 0, `minimax_keyframes`, as MiniMaxH3ImageToVideo sets it). audio_mask=True keeps the
+    first two audio latent frames (denoise mask 0 there, 1 elsewhere).
+    """
+    comfy = import_comfyui()
+    gen = torch.Generator().manual_seed(seed)
+    t, h, w = latent_thw
+    video = torch.randn((1, 24, t, h, w), generator=gen)
+    audio = torch.randn((1, 32, 2, audio_t), generator=gen)
+    noise_v = torch.randn((1, 24, t, h, w), generator=gen)
+    noise_a = torch.randn((1, 32, 2, audio_t), generator=gen)
+    context = torch.randn((1, text_len, config.text_dim), generator=gen)
+    extra: dict[str, Any] = {}
+    if keyframe:
+        extra["minimax_keyframes"] = [{
+            "latent": torch.randn((1, 24, 1, h, w), generator=gen),
+            "resolved_frame_index": 0,
+        }]
+    nested = comfy.nested_tensor.NestedTensor
+    mask = None
+    if audio_mask:
+        audio_keep = torch.ones((1, 1, 2, audio_t))
+        audio_keep[..., :2] = 0.0
+        mask = nested((torch.ones((1, 1, t, h, w)), audio_keep))
+    return H3Inputs(latent=nested((video, audio)), noise=nested((noise_v, noise_a)),
+                    positive=[[context, extra]], denoise_mask=mask, extra=extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# One sampler run, LoRA, loading
+# ---------------------------------------------------------------------------------------------
+
+def _guider_class():
+    comfy = import_comfyui()
+
+    class PositiveOnlyGuider(comfy.samplers.CFGGuider):
+        """cfg 1 with the positive conds only, as BasicGuider (the H3 template's guider)."""
+
+        def set_conds(self, positive):
+            self.inner_set_conds({"positive": positive})
+
+    return PositiveOnlyGuider
+
+
+@contextlib.contextmanager
+def _lowvram_budget(patcher, budget_bytes: int):
+    """Make ComfyUI's loader give `patcher` a lowvram budget of `budget_bytes`.
+
+    A CPU load device is always loaded fully by `load_models_gpu`; this replaces, for this one
+    patcher, the budget it passes to `LoadedModel.model_load` with the given one, so ComfyUI's
+    own partial-load code (LowVramPatch weight functions, comfy_cast_weights) runs as it does
+    on a GPU short of memory. Models are unloaded on entry so the budget is not cumulative.
+    """
+    comfy = import_comfyui()
+    loaded_model_cls = comfy.model_management.LoadedModel
+    original = loaded_model_cls.model_load
+    comfy.model_management.unload_all_models()
+
+    def model_load(self, lowvram_model_memory=0, force_patch_weights=False):
+        if self.model is patcher or self.model.is_clone(patcher):
+            lowvram_model_memory = max(1, int(budget_bytes))
+        return original(self, lowvram_model_memory, force_patch_weights=force_patch_weights)
+
+    loaded_model_cls.model_load = model_load
+    try:
+        yield
+    finally:
+        loaded_model_cls.model_load = original
+
+
+def run_like_sampler(patcher, inputs: H3Inputs, *, sigmas=(0.9, 0.0), seed: int = 0,
+                     sampler_name: str = "euler", lowvram_bytes: int | None = None,
+                     callback=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample `inputs` with ComfyUI's own sampler path and return (video, audio) on the CPU.
+
+    This is SamplerCustomAdvanced with BasicGuider: `CFGGuider.sample` packs the nested latent,
+    `prepare_sampling` loads the patcher through `load_models_gpu` (weight patches such as LoRA
+    are applied there, and removed when another clone of the same model is loaded),
+    `process_conds` runs `MiniMaxH3.extra_conds` once (token refiner, PackedLayout, payload),
+    and each step calls `apply_model` with the patcher's model_options (transformer_options,
+    wrappers, patches_replace). The default sigmas (0.9, 0) make one model call, and the
+    result is that call's x0 prediction. lowvram_bytes gives the model a partial-load budget
+    (see `_lowvram_budget`).
+    """
+    comfy = import_comfyui()
+    guider = _guider_class()(patcher)
+    guider.set_conds(inputs.positive)
+    guider.set_cfg(1.0)
+    sampler = comfy.samplers.sampler_object(sampler_name)
+    sigmas = torch.tensor(sigmas, dtype=torch.float32)
+    latent = comfy.sample.fix_empty_latent_channels(patcher, inputs.latent)
+    ctx = _lowvram_budget(patcher, lowvram_bytes) if lowvram_bytes is not None \
+        else contextlib.nullcontext()
+    with ctx, torch.inference_mode():
+        out = guider.sample(inputs.noise, latent, sampler, sigmas, denoise_mask=inputs.denoise_mask,
+                            callback=callback, disable_pbar=True, seed=seed)
+    video, audio = out.unbind()[:2]
+    return video.detach().cpu().clone(), audio.detach().cpu().clone()
+
+
+def unload_all() -> None:
+    """ComfyUI's own 'unload everything' (what its /free endpoint does), weights unpatched."""
+    comfy = import_comfyui()
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+
+
+DEFAULT_LORA_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def make_lora_state_dict(patcher, *, rank: int = 4, seed: int = 3, scale: float = 0.5,
+                         targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
+                         include_refiner: bool = True) -> dict[str, torch.Tensor]:
+    """A seeded LoRA file's state dict (`diffusion_model.<module>.lora_up/lora_down.weight`,
+    `.alpha`) for the DiT blocks' (and refiner blocks') linears named in `targets`."""
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    model = patcher.model.diffusion_model
+    for name, module in sorted(model.named_modules()):
+        if not any(name.endswith(t) for t in targets):
+            continue
+        in_refiner = include_refiner and name.startswith("token_refiner.")
+        if not (name.startswith("blocks.") or in_refiner):
+            continue
+        out_f, in_f = module.weight.shape
+        key = f"diffusion_model.{name}"
+        sd[f"{key}.lora_down.weight"] = torch.randn((rank, in_f), generator=gen) / in_f ** 0.5
+        up = torch.randn((out_f, rank), generator=gen)
+        sd[f"{key}.lora_up.weight"] = scale * up / rank ** 0.5
+        sd[f"{key}.alpha"] = torch.tensor(float(rank))
+    return sd
+
+
+def with_lora(patcher, lora_state_dict: dict[str, torch.Tensor], strength: float = 1.0):
+    """What LoraLoaderModelOnly does: a clone of `patcher` with the LoRA as weight patches."""
+    comfy = import_comfyui()
+    lora_patcher, _ = comfy.sd.load_lora_for_models(patcher, None, lora_state_dict, strength, 0.0)
+    if not lora_patcher.patches:
+        raise RuntimeError("the LoRA matched no weight of the model")
+    return lora_patcher
+
+
+def lowvram_patched_modules(patcher) -> int:
+    """How many modules currently carry ComfyUI's LowVramPatch weight function (lowvram LoRA)."""
+    comfy = import_comfyui()
+    count = 0
+    for module in patcher.model.modules():
+        for fn in getattr(module, "weight_function", []) or []:
+            if isinstance(fn, comfy.model_patcher.LowVramPatch):
+                count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting attention calls
+# ---------------------------------------------------------------------------------------------
+
+class AttentionCounter:
+    """Count H3's attention calls inside the `with` block.
+
+    H3's module imports `optimized_attention` by name; this swaps that name for a wrapper
+    built the way ComfyUI builds its own (`wrap_attn` around the same function), so the
+    override and preferred-attention conventions behave exactly as without the counter.
+
+    entered:    attention call sites reached (refiner blocks and DiT blocks)
+    default:    calls of the function ComfyUI would run by default (its `optimized_attention`
+                kernel: sub-quadratic on CPU, SDPA on CUDA...), including calls an
+                `optimized_attention_override` makes through the `func` it is handed
+    preferred:  calls of a preferred attention set with `set_preferred_attention`
+    """
+
+    def __init__(self):
+        self.entered = 0
+        self.default = 0
+        self.preferred = 0
+        self._saved = None
+
+    def __enter__(self) -> AttentionCounter:
+        comfy = import_comfyui()
+        h3 = comfy.ldm.minimax.model
+        attention = comfy.ldm.modules.attention
+        original = h3.optimized_attention
+        kernel = getattr(original, "__wrapped__", original)
+
+        @functools.wraps(kernel)
+        def counted_kernel(*args, **kwargs):
+            self.default += 1
+            return kernel(*args, **kwargs)
+
+        wrapped = attention.wrap_attn(counted_kernel)
+        wrapped.container_function = getattr(original, "container_function", None)
+
+        def entry(*args, **kwargs):
+            self.entered += 1
+            return wrapped(*args, **kwargs)
+
+        entry.__wrapped__ = counted_kernel
+        entry.container_function = wrapped.container_function
+        self._saved = (h3, original)
+        h3.optimized_attention = entry
+        return self
+
+    def __exit__(self, *exc) -> None:
+        h3, original = self._saved
+        h3.optimized_attention = original
+
+    def count_preferred(self, fn):
+        """Wrap `fn` so calls of it count in `self.preferred`."""
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            self.preferred += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+def set_preferred_attention(patcher, fn) -> int:
+    """Give every H3 attention module a preferred attention function, as a checkpoint whose
+    state dict carries a `comfy_attention.config` does; `fn=None` clears it. Returns the
+    number of modules set."""
+    count = 0
+    for module in patcher.model.diffusion_model.modules():
+        comfy_attention = getattr(module, "comfy_attention", None)
+        if comfy_attention is not None:
+            comfy_attention.function = fn
+            count += 1
+    return count
+
+
+def attention_calls_per_forward(config: TinyH3Config) -> int:
+    """DiT-forward attention calls (the refiner runs in extra_conds, once per sampling run)."""
+    return config.blocks
+
+
+def checksum(*tensors: torch.Tensor) -> float:
+    """A float64 sum of |x| * (index + 1) over the tensors: changes when any element does."""
+    total = 0.0
+    for t in tensors:
+        flat = t.detach().to(torch.float64).flatten().abs()
+        total += float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum())
+    return total
