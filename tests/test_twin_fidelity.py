@@ -17,12 +17,11 @@ ignored on both sides.
 
 from __future__ import annotations
 
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from comfyui_h3 import import_comfyui_or_skip
 
 import h3_multigpu.twin.model as twin_layers
 from h3_multigpu.twin import (
@@ -45,22 +44,13 @@ SHAPE = {"latent_t": 3, "latent_h": 4, "latent_w": 6, "audio_t": 5}
 
 @pytest.fixture(scope="module")
 def comfy():
-    sys.path.insert(0, os.environ["COMFYUI_PATH"])
-    import comfy.cli_args
+    package = import_comfyui_or_skip()  # the shared harness: $COMFYUI_PATH, --cpu without CUDA
+    import comfy.ldm.minimax.model as h3
+    import comfy.ldm.modules.attention as attention
+    import comfy.utils
 
-    if not torch.cuda.is_available():
-        comfy.cli_args.args.cpu = True  # read once, when model_management is first imported
-    try:
-        import comfy.ldm.minimax.model as h3
-        import comfy.ldm.modules.attention as attention
-        import comfy.model_base
-        import comfy.ops
-        import comfy.supported_models
-        import comfy.utils
-    except ImportError as exc:
-        pytest.skip(f"ComfyUI's H3 model cannot be imported here: {exc}")
-    return SimpleNamespace(h3=h3, attention=attention, ops=comfy.ops,
-                           supported=comfy.supported_models, utils=comfy.utils)
+    return SimpleNamespace(h3=h3, attention=attention, ops=package.ops,
+                           supported=package.supported_models, utils=comfy.utils)
 
 
 @pytest.fixture(autouse=True)
