@@ -37,7 +37,7 @@ from h3_multigpu.dual_sage import (
 from h3_multigpu.dual_sage.apply import per_heads
 from h3_multigpu.kernels import list_backends
 from h3_multigpu.kernels.comfy_calling import backend_function
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
+from h3_multigpu.twin import TwinConfig, TwinPatcher, comfyui_attention, make_inputs, make_twin
 
 GIB = 1 << 30
 SIZES = (15_399, 35_305, 68_706, 102_107)
@@ -157,7 +157,24 @@ def bench_attention(args, root, helper, heads, head_dim, dtype, sizes) -> list[d
 
 
 def bench_step(args, root, helper) -> dict:
-    """One denoising step (forward of the whole DiT), plain vs Dual-Sage on the same model."""
+    """One denoising step (forward of the whole DiT), plain vs Dual-Sage on the same model.
+
+    With ComfyUI importable the twin's attention goes through ComfyUI's own dispatch (its
+    `optimized_attention`: SDPA under its backend priority on CUDA), as upstream H3's does.
+    """
+    function, what = comfyui_function()
+    with contextlib.ExitStack() as stack:
+        if function is not None:
+            from comfy.ldm.modules import attention as comfy_attention
+
+            stack.enter_context(comfyui_attention(comfy_attention))
+            what = f"ComfyUI optimized_attention ({comfy_attention.optimized_attention.__name__})"
+        else:
+            what = f"twin attention_pytorch ({what})"
+        return _bench_step(args, root, helper, what)
+
+
+def _bench_step(args, root, helper, what: str) -> dict:
     if args.dry_run:
         cfg = TwinConfig.tiny()
         model = make_twin(cfg, device=root)
@@ -209,7 +226,8 @@ def bench_step(args, root, helper) -> dict:
     status = dual.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
     routes = dict(dual.model_options["transformer_options"][
         "optimized_attention_override"].sharded.routes)
-    row = dict(backend=backend, blocks=cfg.blocks, tokens_video_audio=seq, routes=routes,
+    row = dict(backend=backend, function=what, blocks=cfg.blocks, tokens_video_audio=seq,
+               routes=routes,
                text_len=dims["text_len"],
                single_sdpa_ms=round(results.get("single_sdpa", results["single"]), 1),
                single_ms=round(results["single"], 1), dual_sage_ms=round(results["dual_sage"], 1),
