@@ -310,3 +310,29 @@ def test_composed_with_chunking_and_prefetch_in_any_order(with_prefetch):
         assert same(runs[1], on) and same(runs[3], on), order
         # per block: a 3-head group split 1:1:1 over three devices, a 1-head group on the root
         assert shard_of(patched).routes["split"] == 4 * CONFIG.blocks, order
+
+
+@pytest.mark.multi_gpu
+def test_two_gpus_shard_the_checkpoints_comfy_kitchen_int8(h3_on_two_gpus):
+    """A checkpoint whose comfy_attention.config selects comfy-kitchen int8: unpatched ComfyUI
+    runs its container path (prequantize from the containers), Dual-Sage its tensor path on
+    each head subset; int8 quantizes per head, so both must give the same bits."""
+    comfy = import_comfyui_or_skip()
+    attention = comfy.ldm.modules.attention
+    if not getattr(attention, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False):
+        pytest.skip("comfy-kitchen int8 attention is not available here")
+    patcher = h3_on_two_gpus
+    thw, audio_t, keyframe = LENGTHS[16_008]
+    inputs = make_inputs(H3_GPU, latent_thw=thw, audio_t=audio_t, keyframe=keyframe)
+    patched = apply_dual_sage(patcher, DualSageConfig(helpers=(str(HELPER),)))
+    with AttentionCounter() as calls:
+        set_preferred_attention(patcher, calls.count_preferred(
+            attention.attention_comfy_kitchen_int8))
+        try:
+            with torch.cuda.device(ROOT):
+                plain = run_like_sampler(patcher, inputs)
+                out = run_like_sampler(patched, inputs)
+        finally:
+            set_preferred_attention(patcher, None)
+    assert shard_of(patched).routes["split"] == H3_GPU.blocks and calls.default == 0
+    assert same(out, plain)
