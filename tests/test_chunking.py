@@ -15,6 +15,7 @@ from h3_multigpu.chunking import (
     attach_activation_lora,
     clip_segments,
     project_rows,
+    sizing,
 )
 from h3_multigpu.chunking.block import ChunkedBlockForward
 from h3_multigpu.chunking.h3_ops import activation_adapters
@@ -210,16 +211,26 @@ def test_auto_is_off_on_cpu_and_sized_from_free_memory(bf16_twin, bf16_inputs, m
     assert _equal(patched.apply_model(*bf16_inputs), reference)
     forward = patched.object_patches["diffusion_model.blocks.0.forward"]
     assert forward.last_chunks == (0, 0, 0)
-    # a device with almost no free memory: "auto" must chunk every phase, and stay exact
+    # a device with almost no free memory: "auto" must chunk every phase, and stay exact; the
+    # exactness floors are scaled down to this 44-row, 8-head model (the GPU's are 4096 rows and
+    # 1024 query tiles per call: "auto" would not chunk a sequence this short at all)
     monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 0)
+    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 4)
     config = ChunkingConfig(ffn_chunk="auto", qkv_chunk="auto", head_group="auto",
                             headroom_bytes=0, blocks=(0,))
     patched = apply_activation_chunking(base, config)
     assert _equal(patched.apply_model(*bf16_inputs), reference)
     ffn, qkv, group = patched.object_patches["diffusion_model.blocks.0.forward"].last_chunks
-    # rows chunked as far as they go; no head groups at 44 rows (too few query tiles per call
-    # for a split-KV-free, exact attention: see sizing.MIN_QUERY_TILES_PER_CALL)
-    assert 0 < ffn < 44 and 0 < qkv < 44 and group == 0
+    # rows chunked as far as the floor lets them, every realised chunk at least 8 rows; the
+    # smallest exact head group (4 of 8 heads, one 64-row query tile each)
+    assert 8 <= ffn < 44 and 8 <= qkv < 44 and group == 4
+    assert min(b - a for a, b in sizing.row_chunks(44, ffn)) >= 8
+    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 4096)
+    monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 1024)
+    patched = apply_activation_chunking(base, config)
+    patched.apply_model(*bf16_inputs)
+    assert patched.object_patches["diffusion_model.blocks.0.forward"].last_chunks == (0, 0, 0)
 
 
 def test_apply_clones_and_records_status(bf16_twin):
