@@ -1,4 +1,4 @@
-"""One device guard for the H3 job: the DiT, the text encoder and the VAEs run with their GPU current.
+"""One device guard for the H3 job: the DiT, text encoder and VAEs run with their GPU current.
 
 ComfyUI leaves one GPU current (cuda:0) while a model placed on another (cuda:1) runs. Most torch
 ops follow their tensors, but some work goes to the current device: comfy-kitchen exports tensors

@@ -365,13 +365,50 @@ def test_package_imports_without_comfyui_and_the_extension_needs_it():
 # ------------------------------------------------------ the libraries behind the nodes
 def test_plan_chunking_is_applied_exactly_on_the_twin(tiny_twin, tiny_inputs):
     pytest.importorskip("h3_multigpu.chunking")
-    plan = _plan("2xR9700", seconds=15)
+    from h3_multigpu.chunking import sizing
+    from h3_multigpu.twin import TwinConfig, make_inputs, make_twin
+
+    plan = _plan("2x5060Ti", seconds=5)  # 4096-row FFN/QKV chunks, 14 heads per call
+    assert (plan.chunking.ffn_chunk, plan.chunking.qkv_chunk) == (4096, 4096)
     model = TwinPatcher(tiny_twin)
-    out, lines = apply_plan(model, plan, decide_placement(PAIR), disabled=("dual_sage",))
+    out, lines = apply_plan(model, plan, decide_placement(PAIR),
+                            disabled=("dual_sage", "prefetch"))
     assert out is not model and lines["chunking"].startswith("on")
-    assert str(plan.chunking.ffn_chunk) in lines["chunking"]
+    assert str(plan.chunking.ffn_chunk) in lines["chunking"] and lines["chunking"].endswith("exact")
     plain, chunked = model.apply_model(*tiny_inputs), out.apply_model(*tiny_inputs)
     assert torch.equal(plain[0], chunked[0]) and torch.equal(plain[1], chunked[1])
+    # 44 rows are fewer than a chunk: run the plan's chunked block of a bf16 twin on a pass the
+    # plan's chunks split (9,026 rows -> 2 chunks, the 4096-row floor kept) and count the calls
+    # (bf16: CPU bf16 GEMMs are row-independent, unlike multi-threaded fp32 ones)
+    twin = make_twin(TwinConfig.tiny(), dtype=torch.bfloat16, seed=0)
+    out, _ = apply_plan(TwinPatcher(twin), plan, decide_placement(PAIR),
+                        disabled=("dual_sage", "prefetch"))
+    forward = out.object_patches["diffusion_model.blocks.0.forward"]
+    x, timestep, context = make_inputs(twin.cfg, latent_t=10, latent_h=60, latent_w=60, audio_t=5,
+                                       seed=1, dtype=torch.bfloat16)
+    block = twin.blocks[0]
+    calls = {"fc1": 0, "qkv": 0}
+    hooks = [block.mlp.fc1.register_forward_pre_hook(lambda m, a: _count(calls, "fc1")),
+             block.attn.qkv_proj.register_forward_pre_hook(lambda m, a: _count(calls, "qkv"))]
+    try:
+        with torch.no_grad():
+            packed = twin.pack(x, timestep, context, transformer_options={})
+            args = (packed.t_emb, packed.mod_segments, packed.rope_freqs)
+            reference = block.forward(packed.h.clone(), *args, transformer_options={})
+            assert calls == {"fc1": 1, "qkv": 1}
+            result = forward(packed.h.clone(), *args, transformer_options={})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tokens = packed.h.shape[0]
+    chunks = len(sizing.row_chunks(tokens, plan.chunking.ffn_chunk))
+    assert tokens == 9_026 and chunks == 2
+    assert calls == {"fc1": 1 + chunks, "qkv": 1 + chunks}
+    assert torch.equal(result, reference)
+
+
+def _count(calls: dict, name: str) -> None:
+    calls[name] += 1
 
 
 def test_a_missing_library_is_reported_not_silent(tiny_twin, monkeypatch):
