@@ -292,3 +292,25 @@ def test_full_config_block_is_recognised_on_meta():
     x = torch.empty(100, 5376, dtype=BF16, device="meta")
     dims = forward.dims(x)
     assert (dims.hidden, dims.heads, dims.head_dim, dims.ffn) == (5376, 56, 128, 14336)
+
+
+def test_activation_lora_follows_the_model_to_its_load_device(monkeypatch):
+    """Adapters are attached where the model is built (ComfyUI: the offload device) and must
+    compute where the activations are once the model moved (cuda:1 on the device: `mat2 is on
+    cpu`). Here the model moves to "meta", and F.linear checks devices the way CUDA does."""
+    linear = torch.nn.Linear(16, 24, dtype=BF16)
+    hook = attach_activation_lora(linear, 4, seed=1)
+    assert hook.adapter.weights[0].device.type == "cpu"
+    linear.requires_grad_(False).to("meta")
+    real_linear = torch.nn.functional.linear
+
+    def device_checked_linear(x, weight, bias=None):
+        if weight.device != x.device:
+            raise RuntimeError(f"mat2 is on {weight.device}, input on {x.device}")
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", device_checked_linear)
+    with torch.no_grad():
+        out = linear(torch.empty(5, 16, dtype=BF16, device="meta"))
+    assert out.device.type == "meta" and out.shape == (5, 24)
+    hook.eject()
