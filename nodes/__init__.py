@@ -27,6 +27,9 @@ NODE_IDS = (
     "H3MultiGPUSageAttention",
     "H3MultiGPUUpscalerDevice",
     "H3MultiGPUKeyframesToSize",
+    "H3MultiGPUVideoDecode",
+    "H3MultiGPULatentUpscalerLoader",
+    "H3MultiGPULatentUpscale",
 )
 
 

@@ -4,6 +4,7 @@ the attention override and the ComfyUI-side placement fallbacks (on the twin, no
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -29,7 +30,12 @@ from h3_multigpu.nodes.placement import (
     placement_from_plan,
     should_release_text_encoder,
 )
-from h3_multigpu.nodes.status import compose_status, feature_lines, record
+from h3_multigpu.nodes.status import (
+    comfyui_support_line,
+    compose_status,
+    feature_lines,
+    record,
+)
 from h3_multigpu.twin import TwinPatcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,7 +254,7 @@ def test_switched_off_features_leave_the_model_untouched(tiny_twin):
     plan = _plan("2xH200")
     model = TwinPatcher(tiny_twin)
     out, lines = apply_plan(model, plan, decide_placement(PAIR),
-                            disabled=("dual_sage", "chunking", "prefetch"))
+                            disabled=("dual_sage", "chunking", "prefetch", "sequence"))
     assert out is model
     assert set(lines.values()) == {"off: switched off on the node"}
     single, lines = apply_plan(model, plan, decide_placement(PAIR[:1]),
@@ -364,58 +370,42 @@ def test_package_imports_without_comfyui_and_the_extension_needs_it():
 
 # ------------------------------------------------------ the libraries behind the nodes
 def test_plan_chunking_is_applied_exactly_on_the_twin(tiny_twin, tiny_inputs):
-    pytest.importorskip("h3_multigpu.chunking")
-    from h3_multigpu.chunking import sizing
-    from h3_multigpu.twin import TwinConfig, make_inputs, make_twin
-
-    plan = _plan("2x5060Ti", seconds=5)  # 4096-row FFN/QKV chunks, 14 heads per call
-    assert (plan.chunking.ffn_chunk, plan.chunking.qkv_chunk) == (4096, 4096)
+    chunking = pytest.importorskip("h3_multigpu.chunking")
+    plan = _plan("2xR9700", seconds=15)
+    assert plan.chunking.ffn_chunk > 44  # the real plan's chunks exceed the tiny sequence:
+    # shrink them (the plan object is what apply_plan reads) so the 44-token twin is cut
+    plan.chunking = dataclasses.replace(plan.chunking, ffn_chunk=16, qkv_chunk=12, head_group=3)
     model = TwinPatcher(tiny_twin)
     out, lines = apply_plan(model, plan, decide_placement(PAIR),
-                            disabled=("dual_sage", "prefetch"))
+                            disabled=("dual_sage", "sequence"))
     assert out is not model and lines["chunking"].startswith("on")
-    assert str(plan.chunking.ffn_chunk) in lines["chunking"] and lines["chunking"].endswith("exact")
-    plain, chunked = model.apply_model(*tiny_inputs), out.apply_model(*tiny_inputs)
-    assert torch.equal(plain[0], chunked[0]) and torch.equal(plain[1], chunked[1])
-    # 44 rows are fewer than a chunk: run the plan's chunked block of a bf16 twin on a pass the
-    # plan's chunks split (9,026 rows -> 2 chunks, the 4096-row floor kept) and count the calls
-    # (bf16: CPU bf16 GEMMs are row-independent, unlike multi-threaded fp32 ones)
-    twin = make_twin(TwinConfig.tiny(), dtype=torch.bfloat16, seed=0)
-    out, _ = apply_plan(TwinPatcher(twin), plan, decide_placement(PAIR),
-                        disabled=("dual_sage", "prefetch"))
-    forward = out.object_patches["diffusion_model.blocks.0.forward"]
-    x, timestep, context = make_inputs(twin.cfg, latent_t=10, latent_h=60, latent_w=60, audio_t=5,
-                                       seed=1, dtype=torch.bfloat16)
-    block = twin.blocks[0]
-    calls = {"fc1": 0, "qkv": 0}
-    hooks = [block.mlp.fc1.register_forward_pre_hook(lambda m, a: _count(calls, "fc1")),
-             block.attn.qkv_proj.register_forward_pre_hook(lambda m, a: _count(calls, "qkv"))]
+    assert "16" in lines["chunking"]
+    rows = {"fc1": [], "qkv_proj": []}
+    block = tiny_twin.blocks[0]
+    hooks = [block.mlp.fc1.register_forward_hook(lambda m, i, o: rows["fc1"].append(len(i[0]))),
+             block.attn.qkv_proj.register_forward_hook(
+                 lambda m, i, o: rows["qkv_proj"].append(len(i[0])))]
     try:
-        with torch.no_grad():
-            packed = twin.pack(x, timestep, context, transformer_options={})
-            args = (packed.t_emb, packed.mod_segments, packed.rope_freqs)
-            reference = block.forward(packed.h.clone(), *args, transformer_options={})
-            assert calls == {"fc1": 1, "qkv": 1}
-            result = forward(packed.h.clone(), *args, transformer_options={})
+        planned = out.apply_model(*tiny_inputs)
     finally:
         for hook in hooks:
             hook.remove()
-    tokens = packed.h.shape[0]
-    chunks = len(sizing.row_chunks(tokens, plan.chunking.ffn_chunk))
-    assert tokens == 9_026 and chunks == 2
-    assert calls == {"fc1": 1 + chunks, "qkv": 1 + chunks}
-    assert torch.equal(result, reference)
-
-
-def _count(calls: dict, name: str) -> None:
-    calls[name] += 1
+    # S = 44 rows cut into ceil(44 / chunk) balanced chunks of at most the plan's rows
+    assert sum(rows["fc1"]) == 44 and len(rows["fc1"]) == 3 and max(rows["fc1"]) <= 16
+    assert sum(rows["qkv_proj"]) == 44 and len(rows["qkv_proj"]) == 4
+    # the same computation as the library applied directly with the plan's numbers
+    direct = chunking.apply_activation_chunking(
+        TwinPatcher(tiny_twin), chunking.ChunkingConfig(ffn_chunk=16, qkv_chunk=12, head_group=3))
+    expected = direct.apply_model(*tiny_inputs)
+    assert torch.equal(planned[0], expected[0]) and torch.equal(planned[1], expected[1])
 
 
 def test_a_missing_library_is_reported_not_silent(tiny_twin, monkeypatch):
     plan = _plan("2xR9700", seconds=15)
     monkeypatch.setitem(sys.modules, "h3_multigpu.chunking", None)  # import now fails
     model = TwinPatcher(tiny_twin)
-    out, lines = apply_plan(model, plan, decide_placement(PAIR), disabled=("dual_sage",))
+    out, lines = apply_plan(model, plan, decide_placement(PAIR),
+                            disabled=("dual_sage", "sequence"))
     assert out is model
     assert lines["chunking"].startswith("NOT ACTIVE: chunking is not available")
 
@@ -439,3 +429,14 @@ def test_sizes_in_bytes():
     for bad in ("24 parsecs", "-1GiB", "GiB"):
         with pytest.raises(ValueError, match="24GiB"):
             inputs.parse_bytes(bad, "pinned_budget")
+
+
+def test_status_says_whether_this_comfyui_runs_the_bundled_workflows():
+    old = comfyui_support_line({"KSampler": object})
+    assert old.startswith("ComfyUI: NO MiniMax H3 nodes") and "update ComfyUI" in old
+    assert "MiniMaxH3ImageToVideo" in old and "H3 Latent Upscale" in old
+    h3 = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1})
+    assert h3.startswith("ComfyUI: MiniMax H3 nodes present") and "is not needed" in h3
+    newest = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1,
+                                   "MiniMaxH3LatentUpscaleWithModel": 1})
+    assert "is also present" in newest
