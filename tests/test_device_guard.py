@@ -112,7 +112,8 @@ def test_every_feature_apply_installs_the_guard(tiny_twin, monkeypatch):
     base = TwinPatcher(tiny_twin)
     chunked = apply_activation_chunking(base, ChunkingConfig(ffn_chunk=8))
     assert has_device_guard(chunked) and not has_device_guard(base)
-    # the nodes' glue guards whatever a feature's apply returns (Dual-Sage, prefetch, ...), even
+    # the nodes' glue guards whatever a feature's apply returns (Dual-Sage, prefetch, sequence
+    # parallel), even
     # a feature that installs no guard of its own
     load = features._load
 
@@ -122,8 +123,8 @@ def test_every_feature_apply_installs_the_guard(tiny_twin, monkeypatch):
         return load(module, *names)
 
     monkeypatch.setattr(features, "_load", unguarded_apply)
-    for feature, options in (("dual_sage", dict(helpers="cpu", split="5:3")),
-                             ("prefetch", dict(resident_blocks="1"))):
+    for feature, options in (("dual_sage", dict(helpers="cpu", split="auto")),
+                             ("prefetch", dict(resident_blocks="1")), ("sequence", {})):
         try:
             glued = apply_from_strings(base, feature, **options)
         except features.FeatureUnavailable:
