@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .device_guard import guard_diffusion_model
 from .inputs import parse_auto_int, parse_bytes
 from .placement import Placement
 from .status import feature_lines
@@ -81,9 +82,13 @@ def check_options(feature: str, **options) -> str | None:
 
 
 def apply_feature(model: Any, feature: str, config: Any) -> Any:
+    """The feature's apply function, then the DiT device guard on its clone (idempotent)."""
     module, name = APPLY[feature]
     (apply,) = _load(module, name)
-    return apply(model, config)
+    patched = apply(model, config)
+    if patched is not model:
+        guard_diffusion_model(patched)
+    return patched
 
 
 def apply_from_strings(model: Any, feature: str, **options) -> Any:

@@ -115,11 +115,14 @@ class H3MultiGPUChunking(io.ComfyNode):
             node_id="H3MultiGPUChunking", display_name="H3 Activation Chunking",
             category=CATEGORY,
             description="Runs the FFN (and optionally QKV and attention heads) in sequence "
-                        "chunks to cap the activation peak; exact (row chunking).",
+                        "chunks to cap the activation peak. Exact with chunks of 4096+ rows and "
+                        "4+ heads per call ('auto' stays there); smaller chunks may differ at "
+                        "bf16 rounding, and the status says so.",
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("ffn_chunk", default="auto",
-                                tooltip="Tokens per FFN chunk; auto = from free memory, 0 = off."),
+                                tooltip="Tokens per FFN chunk; auto = from free memory, 0 = off. "
+                                        "4096 or more is exact."),
             ],
             outputs=_outputs(),
         )
@@ -144,9 +147,11 @@ class H3MultiGPUChunkingAdvanced(H3MultiGPUChunking):
         schema.inputs = [
             *schema.inputs,
             io.String.Input("qkv_chunk", default="auto",
-                            tooltip="Tokens per QKV projection chunk (LoRA included); 0 = off."),
+                            tooltip="Tokens per QKV projection chunk (LoRA included); 0 = off. "
+                                    "4096 or more is exact."),
             io.String.Input("head_group", default="auto",
-                            tooltip="Heads attended at once; 0 = all 56."),
+                            tooltip="Heads attended at once; 0 = all 56. 4 or more is exact "
+                                    "(enlarged on short sequences)."),
         ]
         return schema
 
