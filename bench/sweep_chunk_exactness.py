@@ -16,8 +16,12 @@ The summary gives the smallest rows per call from which every tested size is exa
 tested S (per shape and over all), and the smallest (heads x 64-row query tiles) per attention
 call from which every tested group is exact: compare with `chunking.sizing.EXACT_MIN_ROWS` and
 `MIN_QUERY_TILES_PER_CALL`. JSON to --out; a short table printed last. About 30 s on an H200.
+`--write-range chunking/exact_rows.json` merges this GPU's per-shape floors into the table
+chunking and the sequence mode read at run time (`chunking/exact_rows.py`); with `--from
+SWEEP.json` it does so from an earlier sweep's JSON, without measuring.
 
-    COMFYUI_PATH=/path/to/ComfyUI python bench/sweep_chunk_exactness.py --out $OUT/exactness.json
+    COMFYUI_PATH=/path/to/ComfyUI python bench/sweep_chunk_exactness.py --out $OUT/exactness.json \
+        --write-range chunking/exact_rows.json
 """
 
 from __future__ import annotations
@@ -64,7 +68,44 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto: ComfyUI's optimized_attention when COMFYUI_PATH imports")
     p.add_argument("--out", type=Path,
                    default=Path(os.environ.get("OUT", ".")) / "chunk_exactness.json")
+    p.add_argument("--write-range", type=Path, default=None,
+                   help="merge the measured floors per GEMM shape into this table "
+                        "(chunking/exact_rows.json)")
+    p.add_argument("--from", dest="from_json", type=Path, default=None,
+                   help="with --write-range: take the floors from this sweep JSON, measure nothing")
     return p.parse_args(argv)
+
+
+def write_range(path: Path, report: dict) -> dict:
+    """Merge one sweep's floors into the table: devices[GPU][dtype] = {"K->N": rows or None}.
+
+    Several GEMMs of one shape (qkv_proj's and fc1's rank-r down projections are both K->r)
+    keep the strictest floor; None (no measured size was exact) wins."""
+    floors: dict[str, int | None] = {}
+    for name, entry in report["gemms"].items():
+        shape = name.split()[-1]
+        value = entry["min_exact_rows"]
+        if shape not in floors:
+            floors[shape] = value
+        elif floors[shape] is not None:
+            floors[shape] = None if value is None else max(floors[shape], value)
+    meta = report["meta"]
+    args = meta.get("args", {})
+    source = (f"measured on {meta['device']}, torch {meta['torch']} (CUDA {meta['cuda']}), "
+              f"bf16 F.linear without bias; slices of {args.get('rows', '?')} rows against "
+              f"whole calls of {args.get('refs', '?')} rows, first and last rows "
+              f"(bench/sweep_chunk_exactness.py)")
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data["about"] = (
+        "Fewest rows per call from which every measured row slice of a GEMM (\"K->N\": "
+        "reduction K, output width N) equals the same rows of the whole call bit for bit, per "
+        "GPU model (torch.cuda.get_device_name) and dtype; null: no measured slice size was. "
+        "Read by chunking/exact_rows.py (the rule is in its docstring). Regenerate on the GPU: "
+        "python bench/sweep_chunk_exactness.py --write-range chunking/exact_rows.json")
+    data.setdefault("devices", {}).setdefault(meta["device"], {})["bfloat16"] = {
+        "source": source, "floors": dict(sorted(floors.items()))}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return floors
 
 
 # ------------------------------------------------------------------------------------ GEMMs
@@ -191,6 +232,13 @@ def min_exact_work_items(entries: list[dict]) -> int | None:
 # ------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        if args.write_range is None:
+            print("--from needs --write-range")
+            return 2
+        floors = write_range(args.write_range, json.loads(args.from_json.read_text()))
+        print(f"wrote {len(floors)} shapes from {args.from_json} into {args.write_range}")
+        return 0
     shapes, heads = SHAPES, HEADS
     if args.dry_run:
         args.device, args.rows, args.refs, args.lora_ranks = "cpu", [64, 100], [160, 256], [8]
@@ -248,6 +296,9 @@ def main(argv=None) -> int:
           f"heads x 64-row tiles per call; min exact heads per call by tokens: "
           f"{summary['min_exact_heads_per_call_by_tokens']}")
     print(json.dumps({k: v for k, v in summary.items() if k != 'seconds'}))
+    if args.write_range is not None and not args.dry_run:
+        write_range(args.write_range, out)
+        print(f"merged the floors into {args.write_range}")
     print(f"wrote {args.out} in {summary['seconds']:.1f} s")
     return 0
 

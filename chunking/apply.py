@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..nodes.device_guard import guard_diffusion_model
-from .block import ChunkedBlockForward
+from .block import ChunkedBlockForward, ChunkingReport, block_floors
 from .config import ChunkingConfig
+from .h3_ops import activation_adapter_ranks
 
 _BLOCK_PARTS = ("norm1", "norm2", "adaln_proj", "attn.qkv_proj", "attn.out_proj", "attn.q_norm",
                 "attn.k_norm", "mlp.fc1", "mlp.fc2")
@@ -56,13 +59,41 @@ def apply_activation_chunking(model_patcher: Any, config: ChunkingConfig) -> Any
                              f"through block-replace patches or wrappers instead")
     heads = getattr(getattr(blocks[0], "attn", None), "heads", None)
     heads = heads if isinstance(heads, int) else None
+    report = ChunkingReport(config, len(blocks), heads, _apply_time_floors(
+        patcher, [blocks[i] for i in indices]))
     if config.active_with(heads):
         for index in indices:
             patcher.add_object_patch(f"diffusion_model.blocks.{index}.forward",
-                                     ChunkedBlockForward(blocks[index], config))
+                                     ChunkedBlockForward(blocks[index], config, report))
     options = patcher.model_options.setdefault("transformer_options", {})
-    options["h3_multigpu"] = {**options.get("h3_multigpu", {}),
-                              "chunking": config.status(len(blocks), heads)}
+    status = {**options.get("h3_multigpu", {}), "chunking": report.line()}
+    options["h3_multigpu"] = status
+    # the block forwards rewrite the line once they know what ran (adapters ComfyUI injects
+    # at load, "auto"'s choices): in this patcher's options, and in the copy of each run
+    report.sinks.append(status)
     # the chunked blocks call comfy-kitchen and the bypass adapters like the plain ones: they
     # must run with the DiT's GPU current, whatever ComfyUI left current
     return guard_diffusion_model(patcher)
+
+
+def _apply_time_floors(patcher: Any, blocks: list[torch.nn.Module]):
+    """The row floors the blocks have now, on the patcher's load device: the adapters injected
+    on the modules at this moment (the twin's; ComfyUI injects its bypass adapters at load,
+    and the forwards look again), every block's ranks together."""
+    from . import sizing
+
+    if not blocks:
+        return sizing.RowFloors()
+    first = blocks[0]
+    linears = {"qkv_proj": first.attn.qkv_proj, "out_proj": first.attn.out_proj,
+               "fc1": first.mlp.fc1, "fc2": first.mlp.fc2}
+    ranks: dict[str, tuple[int, ...]] = {name: () for name in linears}
+    for block in blocks:
+        for name, module in (("qkv_proj", block.attn.qkv_proj), ("out_proj", block.attn.out_proj),
+                             ("fc1", block.mlp.fc1), ("fc2", block.mlp.fc2)):
+            ranks[name] = tuple(sorted({*ranks[name], *activation_adapter_ranks(module)}))
+    device = torch.device(getattr(patcher, "load_device", None) or "cpu")
+    weight = getattr(first.attn.qkv_proj, "weight", None)
+    dtype = weight.dtype if getattr(weight, "is_floating_point", lambda: False)() and \
+        weight.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+    return block_floors(linears, device, dtype, ranks)

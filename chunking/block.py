@@ -17,22 +17,98 @@ that keeps the big intermediates chunk-sized:
 Row chunking is exact because each output row of a linear, of SwiGLU and of the gated add
 depends on its own input row only; head groups are exact because attention heads are
 independent. All rows of h are computed before any chunk updates x. On a GPU "exact" also needs
-the same kernels as the unchunked call: see the floors in `sizing` (EXACT_MIN_ROWS,
-EXACT_MIN_HEADS) and `sizing.exactness_note`. Legend: S tokens, C hidden,
-H heads, D head dim, I = H*D, g heads per attention call.
+the same kernels as the unchunked call: row chunks stay at or above each phase's measured floor
+(`exact_rows`: the block's GEMMs with the on-activation adapters found on it at run time, on
+this GPU model), head groups above EXACT_MIN_HEADS (`sizing`). A phase with no known floor
+(e.g. a rank-32 LoRA on fc2, whose down projection never settles on one kernel) is left whole
+while it fits in memory; when memory needs it chunked, it runs chunked and the status line
+(`ChunkingReport`, updated at run time) says it may differ, naming the adapter, and a warning
+is logged once. Legend: S tokens, C hidden, H heads, D head dim, I = H*D, g heads per call.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
 
-from . import sizing
+from . import exact_rows, sizing
 from .config import AUTO, ChunkingConfig
-from .h3_ops import H3Ops, activation_adapters
+from .h3_ops import H3Ops, activation_adapter_ranks
 
+log = logging.getLogger(__name__)
 Segments = list[tuple[int, int, Any]]
+Ranks = tuple[tuple[str, tuple[int, ...]], ...]  # (linear name, adapter ranks), in LINEARS order
+_said: set[str] = set()
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """What one block forward runs: chunk sizes (0 = off), the floors `row_chunks` keeps each
+    phase's chunks at, why the result may differ from the unchunked block (empty: exact) and
+    which phases were left whole to stay exact."""
+
+    ffn_chunk: int
+    qkv_chunk: int
+    head_group: int
+    ffn_floor: int
+    qkv_floor: int
+    inexact: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+
+    @property
+    def chunks(self) -> tuple[int, int, int]:
+        return self.ffn_chunk, self.qkv_chunk, self.head_group
+
+
+class ChunkingReport:
+    """The status line of one `apply_activation_chunking`, kept true at run time.
+
+    Before any forward it says what the config and the adapters visible at apply time allow.
+    The block forwards then record what they ran (adapters that ComfyUI injects only while the
+    model is loaded, chunks "auto" chose, phases left whole): the line becomes "exact" or names
+    every reason seen, in each status dict it was written to (`sinks`), and each reason is
+    logged once per process.
+    """
+
+    def __init__(self, config: ChunkingConfig, block_count: int, heads: int | None,
+                 floors: sizing.RowFloors):
+        self.config = config
+        self.block_count = block_count
+        self.heads = heads
+        self.apply_note = sizing.exactness_note(config.ffn_chunk, config.qkv_chunk,
+                                                config.head_group, floors)
+        self.inexact: dict[str, None] = {}
+        self.kept: dict[str, None] = {}
+        self.ran = False
+        self.sinks: list[dict] = []
+
+    def line(self) -> str:
+        if not self.ran:
+            return self.config.status(self.block_count, self.heads, note=self.apply_note)
+        return self.config.status(self.block_count, self.heads,
+                                  note=sizing.note_of(tuple(self.inexact)),
+                                  kept=tuple(self.kept))
+
+    def record(self, plan: RowPlan) -> None:
+        new = [r for r in plan.inexact if r not in self.inexact]
+        kept = [k for k in plan.kept if k not in self.kept]
+        if self.ran and not new and not kept:
+            return
+        self.ran = True
+        self.inexact.update(dict.fromkeys(new))
+        self.kept.update(dict.fromkeys(kept))
+        line = self.line()
+        for sink in self.sinks:
+            sink["chunking"] = line
+        for reason in new:
+            if reason not in _said:
+                _said.add(reason)
+                log.warning("activation chunking may differ from unchunked at bf16 rounding "
+                            "(%s)", reason)
 
 
 def clip_segments(segments: Segments, start: int, stop: int) -> Segments:
@@ -52,13 +128,15 @@ def clip_segments(segments: Segments, start: int, stop: int) -> Segments:
     return out
 
 
-def project_rows(linear: torch.nn.Module, x_SK: torch.Tensor, chunk: int) -> torch.Tensor:
+def project_rows(linear: torch.nn.Module, x_SK: torch.Tensor, chunk: int,
+                 floor: int | None = None) -> torch.Tensor:
     """linear(x) as [S, N], computed `chunk` rows at a time into one preallocated buffer.
 
     Each chunk goes through the module's own call (weight casts, LoRA weight patches, bypass
     adapters), so only one chunk's output and adapter temporaries exist besides the buffer.
+    floor: the phase's `RowPlan` floor (None: EXACT_MIN_ROWS), see `sizing.row_chunks`.
     """
-    ranges = sizing.row_chunks(x_SK.shape[0], chunk)
+    ranges = sizing.row_chunks(x_SK.shape[0], chunk, floor)
     if len(ranges) <= 1:
         return linear(x_SK)
     out_SN = None
@@ -75,62 +153,122 @@ def project_rows(linear: torch.nn.Module, x_SK: torch.Tensor, chunk: int) -> tor
 class ChunkedBlockForward:
     """Replacement for one `DiTBlock.forward`, same signature, same result."""
 
-    def __init__(self, block: torch.nn.Module, config: ChunkingConfig):
+    def __init__(self, block: torch.nn.Module, config: ChunkingConfig,
+                 report: ChunkingReport | None = None):
         self.block = block
         self.config = config
+        self.report = report
         self.ops = H3Ops.for_block(block)
         self.last_chunks: tuple[int, int, int] | None = None  # (ffn, qkv, head_group) last run
-        self._auto_cache: dict[tuple, tuple[int, int, int]] = {}
+        self.last_plan: RowPlan | None = None
+        self._plans: dict[tuple, RowPlan] = {}
+        self._floors: dict[tuple, sizing.RowFloors] = {}
 
     # ------------------------------------------------------------------ chunk sizes
     def chunks_for(self, x_SC: torch.Tensor) -> tuple[int, int, int]:
-        """(ffn_chunk, qkv_chunk, head_group) for this forward; "auto" sized from free memory."""
-        cfg = self.config
-        fixed = {name: getattr(cfg, name) for name in ("ffn_chunk", "qkv_chunk", "head_group")}
-        if AUTO not in fixed.values():
-            return fixed["ffn_chunk"], fixed["qkv_chunk"], fixed["head_group"]
-        free = free_device_bytes(x_SC.device)
-        if free is None:  # no device memory to protect (CPU): "auto" means off
-            return tuple(0 if v == AUTO else v for v in fixed.values())  # type: ignore[return-value]
-        adapters = self.adapters()  # bypass adapters can be injected after apply: look each time
-        key = (x_SC.shape[0], free >> 26, adapters)  # one choice per 64 MiB of free memory
-        if key not in self._auto_cache:
-            if len(self._auto_cache) >= 64:
-                self._auto_cache.clear()
-            self._auto_cache[key] = self._choose(x_SC, free, fixed, adapters)
-        return self._auto_cache[key]
+        """(ffn_chunk, qkv_chunk, head_group) for this forward (see `row_plan`)."""
+        return self.row_plan(x_SC).chunks
 
-    def _choose(self, x_SC: torch.Tensor, free: int, fixed: dict,
-                adapters: sizing.Adapters) -> tuple[int, int, int]:
-        cfg = self.config
-        choice = sizing.choose_chunks(
-            free, x_SC.shape[0], self.dims(x_SC), adapters=adapters,
-            kernels=sizing.Kernels(mlp=self.ops.mlp_kernel(self.block.mlp.fc2),
-                                   attention_output_copy=True),
-            headroom_bytes=cfg.headroom_bytes,
-            **{k: (None if v == AUTO else v) for k, v in fixed.items()})
-        return choice.ffn_chunk, choice.qkv_chunk, choice.head_group
+    def row_plan(self, x_SC: torch.Tensor) -> RowPlan:
+        """What this forward runs: "auto" sized from free memory, every row chunk at or above
+        its phase's floor for the adapters on the block now, on this GPU model."""
+        ranks = self.adapter_ranks()  # bypass adapters are injected at load: look each time
+        floors = self.floors(x_SC.device, x_SC.dtype, ranks)
+        fixed = {name: getattr(self.config, name) for name in ("ffn_chunk", "qkv_chunk",
+                                                                "head_group")}
+        needs_free = AUTO in fixed.values() or any(
+            isinstance(fixed[f"{phase}_chunk"], int) and fixed[f"{phase}_chunk"] > 0
+            and not floors.known(phase) for phase in ("ffn", "qkv"))
+        free = free_device_bytes(x_SC.device) if needs_free else None
+        # one plan per 64 MiB of free memory
+        key = (x_SC.shape[0], ranks, x_SC.device, x_SC.dtype, None if free is None else free >> 26)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plan = self._plans[key] = self._plan(x_SC, fixed, floors, ranks, free)
+        if self.report is not None:
+            self.report.record(plan)
+        return plan
+
+    def _plan(self, x_SC: torch.Tensor, fixed: dict, floors: sizing.RowFloors, ranks: Ranks,
+              free: int | None) -> RowPlan:
+        cfg, tokens = self.config, x_SC.shape[0]
+        dims, adapters, kernels = self.dims(x_SC), self.adapters(ranks), self.kernels()
+        values = dict(fixed)
+        if AUTO in fixed.values():
+            if free is None:  # no device memory to protect (CPU): "auto" means off
+                values = {k: 0 if v == AUTO else v for k, v in fixed.items()}
+            else:
+                choice = sizing.choose_chunks(
+                    free, tokens, dims, adapters=adapters, kernels=kernels,
+                    headroom_bytes=cfg.headroom_bytes, floors=floors,
+                    **{k: (None if v == AUTO else v) for k, v in fixed.items()})
+                values = {"ffn_chunk": choice.ffn_chunk, "qkv_chunk": choice.qkv_chunk,
+                          "head_group": choice.head_group}
+        kept = []
+        for phase in ("ffn", "qkv"):
+            name = f"{phase}_chunk"
+            chunk = values[name]
+            if (not chunk or floors.known(phase) or fixed[name] == AUTO
+                    or chunk < sizing.EXACT_MIN_ROWS
+                    or len(sizing.row_chunks(tokens, chunk, floors.split_floor(phase))) <= 1):
+                continue
+            # a chunk meant to be exact in a phase without a known floor: only if memory needs it
+            if free is not None and sizing.phase_fits_unchunked(
+                    free, tokens, dims, phase, head_group=values["head_group"],
+                    adapters=adapters, kernels=kernels, headroom_bytes=cfg.headroom_bytes):
+                values[name] = 0
+                kept.append(f"{phase} left whole ({floors.why(phase)}; it fits unchunked)")
+        heads = self.block.attn.heads
+        inexact = [*sizing.row_reasons("ffn", values["ffn_chunk"], floors, tokens=tokens),
+                   *sizing.row_reasons("qkv", values["qkv_chunk"], floors, tokens=tokens),
+                   *sizing.head_reasons(values["head_group"], heads=heads, tokens=tokens)]
+        return RowPlan(values["ffn_chunk"], values["qkv_chunk"], values["head_group"],
+                       floors.split_floor("ffn"), floors.split_floor("qkv"), tuple(inexact),
+                       tuple(kept))
+
+    def linears(self) -> dict[str, torch.nn.Module]:
+        attn, mlp = self.block.attn, self.block.mlp
+        return {"qkv_proj": attn.qkv_proj, "out_proj": attn.out_proj, "fc1": mlp.fc1,
+                "fc2": mlp.fc2}
+
+    def adapter_ranks(self) -> Ranks:
+        return tuple((name, activation_adapter_ranks(module))
+                     for name, module in self.linears().items())
+
+    def floors(self, device: torch.device, dtype: torch.dtype, ranks: Ranks) -> sizing.RowFloors:
+        """Each phase's row floor for these adapters on this GPU model and dtype (`exact_rows`)."""
+        key = (device, dtype, ranks)
+        floors = self._floors.get(key)
+        if floors is None:
+            floors = self._floors[key] = block_floors(self.linears(), device, dtype, dict(ranks))
+        return floors
 
     def dims(self, x_SC: torch.Tensor) -> sizing.BlockDims:
         attn, mlp = self.block.attn, self.block.mlp
         return sizing.BlockDims(hidden=x_SC.shape[-1], heads=attn.heads, head_dim=attn.head_dim,
                                 ffn=mlp.fc2.in_features, element_bytes=x_SC.element_size())
 
-    def adapters(self) -> sizing.Adapters:
-        attn, mlp = self.block.attn, self.block.mlp
-        found = {name: activation_adapters(module) for name, module in (
-            ("qkv", attn.qkv_proj), ("out_proj", attn.out_proj), ("fc1", mlp.fc1),
-            ("fc2", mlp.fc2))}
-        return sizing.Adapters(rank=max(r for _, r in found.values()),
-                               **{name: n for name, (n, _) in found.items()})
+    def kernels(self) -> sizing.Kernels:
+        return sizing.Kernels(mlp=self.ops.mlp_kernel(self.block.mlp.fc2),
+                              attention_output_copy=True)
+
+    def adapters(self, ranks: Ranks | None = None) -> sizing.Adapters:
+        found = dict(self.adapter_ranks() if ranks is None else ranks)
+        rank = max((r for rs in found.values() for r in rs), default=0)
+        return sizing.Adapters(rank=rank, qkv=len(found["qkv_proj"]),
+                               out_proj=len(found["out_proj"]), fc1=len(found["fc1"]),
+                               fc2=len(found["fc2"]))
 
     # ------------------------------------------------------------------ forward
     def __call__(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None,
                  attention=None):
         transformer_options = {} if transformer_options is None else transformer_options
         block, ops = self.block, self.ops
-        ffn_chunk, qkv_chunk, head_group = self.chunks_for(x)
-        self.last_chunks = (ffn_chunk, qkv_chunk, head_group)
+        plan = self.row_plan(x)
+        self.last_plan, self.last_chunks = plan, plan.chunks
+        ffn_chunk, qkv_chunk, head_group = plan.chunks
         heads = block.attn.heads
         head_group = head_group if 0 < head_group < heads else 0
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
@@ -139,11 +277,12 @@ class ChunkedBlockForward:
         decomposable = ((attention is None or attention is block.attn)
                         and rope_freqs is not None and not ops.in_training())
         if decomposable and (qkv_chunk or head_group):
-            qkv = project_rows(block.attn.qkv_proj, h, qkv_chunk)
+            qkv = project_rows(block.attn.qkv_proj, h, qkv_chunk, plan.qkv_floor)
             del h  # the normed input is consumed: free it before attention allocates
             out = self._attend(qkv, rope_freqs, transformer_options, head_group)
             del qkv
-            self._gated_rows(x, gate_msa, block.attn.out_proj, out, mod_segments, qkv_chunk)
+            self._gated_rows(x, gate_msa, block.attn.out_proj, out, mod_segments, qkv_chunk,
+                             plan.qkv_floor)
             del out
         else:
             attention = block.attn if attention is None else attention
@@ -153,7 +292,7 @@ class ChunkedBlockForward:
             del h  # drop it before norm2 allocates the MLP phase's h
 
         h = ops.mod_scale_shift(block.norm2(x), shift_mlp, scale_mlp, mod_segments)
-        self._gated_rows(x, gate_mlp, block.mlp, h, mod_segments, ffn_chunk)
+        self._gated_rows(x, gate_mlp, block.mlp, h, mod_segments, ffn_chunk, plan.ffn_floor)
         return x
 
     def _attend(self, qkv_SN: torch.Tensor, rope_freqs: torch.Tensor, transformer_options: dict,
@@ -193,9 +332,10 @@ class ChunkedBlockForward:
         return ops.optimized_attention(ops.wrap(q), ops.wrap(k), ops.wrap(v), heads, **kwargs)
 
     def _gated_rows(self, x_SC: torch.Tensor, gate, module: torch.nn.Module,
-                    input_SK: torch.Tensor, segments: Segments, chunk: int) -> None:
+                    input_SK: torch.Tensor, segments: Segments, chunk: int,
+                    floor: int | None = None) -> None:
         """x += gate * module(input), `chunk` rows at a time, in place, per clipped segment."""
-        ranges = sizing.row_chunks(x_SC.shape[0], chunk)
+        ranges = sizing.row_chunks(x_SC.shape[0], chunk, floor)
         if len(ranges) <= 1:
             self.ops.mod_gate(x_SC, gate, module(input_SK), segments)
             return
@@ -223,3 +363,36 @@ def free_device_bytes(device: torch.device) -> int | None:
         cap = int(total * get_fraction(device))
         available = min(available, cap - reserved)
     return max(available, 0)
+
+
+@cache
+def device_name(device: torch.device) -> str:
+    """The GPU model as `exact_rows.json` names it ("cpu" for the CPU)."""
+    if device.type == "cpu":
+        return exact_rows.CPU
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtype: torch.dtype,
+                 ranks: dict[str, tuple[int, ...]]) -> sizing.RowFloors:
+    """Row floors of a block's two chunked phases, from its linears' shapes and adapter ranks."""
+    name = device_name(device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    table = exact_rows.table_for(name, dtype_name)
+    shapes = {key: linear_shape(module) for key, module in linears.items()}
+    gpu = device.type != "cpu"
+    found = {phase: exact_rows.phase_floor(table, shapes, ranks, names,
+                                           where=f"{name} {dtype_name}", gpu=gpu)
+             for phase, names in exact_rows.PHASE_LINEARS.items()}
+    return sizing.RowFloors(found["qkv"][0], found["ffn"][0], found["qkv"][1], found["ffn"][1])
+
+
+def linear_shape(linear: torch.nn.Module) -> tuple[int, int]:
+    """(K, N): in and out features of a Linear (ComfyUI's ops included)."""
+    k, n = getattr(linear, "in_features", None), getattr(linear, "out_features", None)
+    if isinstance(k, int) and isinstance(n, int):
+        return k, n
+    out_features, in_features = linear.weight.shape[:2]
+    return int(in_features), int(out_features)

@@ -50,9 +50,11 @@ class ChunkingConfig:
     ffn_chunk: rows per fc1 -> SwiGLU -> fc2 chunk. qkv_chunk: rows per qkv projection chunk
     (LoRA/bypass adapters included) and per out_proj chunk. head_group: heads per attention call.
     0 = off; "auto" sizes it at run time from the memory free on the block's device (off on CPU).
-    Chunks of at least `sizing.EXACT_MIN_ROWS` rows and groups of at least
-    `sizing.EXACT_MIN_HEADS` heads are exact on the GPU ("auto" stays there); smaller explicit
-    values run as asked and the status says they may differ at bf16 rounding.
+    Chunks of at least `sizing.EXACT_MIN_ROWS` rows are realised at or above each phase's
+    measured row floor (`exact_rows`: higher with on-activation adapters) and groups of at
+    least `sizing.EXACT_MIN_HEADS` heads stay exact on the GPU ("auto" stays there); smaller
+    explicit values run as asked and the status says they may differ at bf16 rounding, as it
+    does when memory needs a phase chunked that has no known floor.
     blocks: DiT block indices to patch (None = all). headroom_bytes: kept free by "auto" for
     fragmentation, cuBLAS workspaces and weight casts.
     """
@@ -117,8 +119,12 @@ class ChunkingConfig:
         idle = self.idle_reasons(heads)
         return any(getattr(self, name) and name not in idle for name in _FIELDS)
 
-    def status(self, block_count: int, heads: int | None = None) -> str:
-        """One line for `transformer_options["h3_multigpu"]["chunking"]`."""
+    def status(self, block_count: int, heads: int | None = None, *, note: str | None = None,
+               kept: tuple[str, ...] = ()) -> str:
+        """One line for `transformer_options["h3_multigpu"]["chunking"]`.
+
+        note: the exactness note (default: `exactness_note` of these values alone; chunking
+        passes the one for the block's floors). kept: phases left whole to stay exact."""
         if not self.enabled:
             return "off"
         idle = self.idle_reasons(heads)
@@ -133,6 +139,8 @@ class ChunkingConfig:
 
         where = (f"all {block_count} blocks" if self.blocks is None
                  else f"blocks {','.join(map(str, self.blocks))}")
-        note = exactness_note(self.ffn_chunk, self.qkv_chunk, self.head_group)
+        if note is None:
+            note = exactness_note(self.ffn_chunk, self.qkv_chunk, self.head_group)
+        left = "".join(f"; {k}" for k in kept)
         return (f"on ({where}): ffn {show('ffn_chunk', 'rows')}, qkv {show('qkv_chunk', 'rows')}"
-                f", attention {show('head_group', 'heads/call')}; {note}")
+                f", attention {show('head_group', 'heads/call')}{left}; {note}")

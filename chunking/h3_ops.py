@@ -84,23 +84,28 @@ class H3Ops:
 
 
 def activation_adapters(linear: torch.nn.Module) -> tuple[int, int]:
-    """(count, largest rank) of on-activation adapters wrapped around `linear.forward`.
+    """(count, largest rank) of on-activation adapters wrapped around `linear.forward`."""
+    ranks = activation_adapter_ranks(linear)
+    return len(ranks), max(ranks, default=0)
+
+
+def activation_adapter_ranks(linear: torch.nn.Module) -> tuple[int, ...]:
+    """The rank of each on-activation adapter wrapped around `linear.forward` (0: not a LoRA).
 
     ComfyUI's bypass injection (and `adapters.attach_activation_lora` for the twin) replaces the
     instance's `forward` with a bound method of a hook object holding `adapter` and
     `original_forward`; stacked injections chain through `original_forward`.
     """
-    count, rank = 0, 0
+    ranks = []
     forward = linear.__dict__.get("forward")
     while forward is not None:
         hook = getattr(forward, "__self__", None)
         adapter = getattr(hook, "adapter", None)
         if adapter is None or not hasattr(hook, "original_forward"):
             break
-        count += 1
-        rank = max(rank, _adapter_rank(adapter))
+        ranks.append(_adapter_rank(adapter))
         forward = hook.original_forward
-    return count, rank
+    return tuple(ranks)
 
 
 def _adapter_rank(adapter: Any) -> int:

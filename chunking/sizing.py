@@ -31,6 +31,7 @@ swiglu, fc2 and the LoRA adapters see m rows at a time, each chunk gated into x 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .. import geometry
 
@@ -42,8 +43,10 @@ HEAD_GROUP_CANDIDATES = (28, 16, 8, 4)
 # same kernel (same K-reduction order): on an H200, bf16 chunks of ~3,400 rows and more did, chunks
 # of ~800-2,300 rows did not (max |diff| 0.016-0.031 in bf16 through the model). A requested chunk
 # at or above EXACT_MIN_ROWS is therefore never realised below it (`row_chunks`); smaller explicit
-# chunks are honoured and reported as "may differ at bf16 rounding".
-# `bench/sweep_chunk_exactness.py` measures these floors on the GPU at hand.
+# chunks are honoured and reported as "may differ at bf16 rounding". On-activation adapters add
+# GEMMs of a few output columns whose kernel moves with the row count up to 8,192 rows (or never
+# settles): `exact_rows` holds the measured floors per GPU and shape, and `RowFloors` carries a
+# block's floors per phase. `bench/sweep_chunk_exactness.py` measures them on the GPU at hand.
 EXACT_MIN_ROWS = 4096
 MIN_AUTO_CHUNK_ROWS = EXACT_MIN_ROWS  # "auto" and the planner never chunk rows below the floor
 # A call with few heads x few query tiles makes flash attention split the keys across blocks
@@ -57,21 +60,24 @@ QUERY_TILE_ROWS = 64
 GiB = 1 << 30
 
 
-def row_chunks(total: int, chunk: int) -> list[tuple[int, int]]:
+def row_chunks(total: int, chunk: int, floor: int | None = None) -> list[tuple[int, int]]:
     """[start, stop) row ranges covering `total` rows, each at most `chunk` rows.
 
     Balanced: n = ceil(total / chunk) chunks of nearly equal size (multiples of ROW_ALIGN where
     that leaves the tail at least half a chunk), so no tiny tail chunk falls back to a small-M
-    GEMM kernel. `chunk <= 0` or `chunk >= total` gives one range. A chunk of at least
-    EXACT_MIN_ROWS is never realised below that floor: where balancing would go under it, fewer
-    (and so larger than `chunk`, by less than the floor) chunks are used, one range at the least.
+    GEMM kernel. `chunk <= 0` or `chunk >= total` gives one range. floor: the rows per call from
+    which the phase's GEMMs are known exact (`RowFloors.split_floor`; None: EXACT_MIN_ROWS). A
+    chunk of at least min(floor, EXACT_MIN_ROWS) is never realised below the floor: where
+    balancing would go under it, fewer (and so larger than `chunk`) chunks are used, one range
+    at the least. Smaller explicit chunks are honoured as given.
     """
     if total <= 0:
         return []
     if chunk <= 0 or chunk >= total:
         return [(0, total)]
+    floor = EXACT_MIN_ROWS if floor is None else floor
+    floor = floor if chunk >= min(floor, EXACT_MIN_ROWS) else 0
     n = -(-total // chunk)
-    floor = EXACT_MIN_ROWS if chunk >= EXACT_MIN_ROWS else 0
     if floor and total // n < floor:
         n = max(1, total // floor)
         if n == 1:
@@ -87,9 +93,9 @@ def row_chunks(total: int, chunk: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def largest_chunk_rows(total: int, chunk: int) -> int:
-    """Rows of the largest range `row_chunks(total, chunk)` produces (what sets the peak)."""
-    return max((b - a for a, b in row_chunks(total, chunk)), default=0)
+def largest_chunk_rows(total: int, chunk: int, floor: int | None = None) -> int:
+    """Rows of the largest range `row_chunks(total, chunk, floor)` produces (the peak's)."""
+    return max((b - a for a, b in row_chunks(total, chunk, floor)), default=0)
 
 
 def query_tiles(tokens: int) -> int:
@@ -127,23 +133,107 @@ def largest_head_group(heads: int, group: int, tokens: int) -> int:
     return 0 if len(ranges) <= 1 else max(b - a for a, b in ranges)
 
 
-def exactness_note(ffn_chunk: int | str, qkv_chunk: int | str, head_group: int | str) -> str:
+@dataclass(frozen=True)
+class RowFloors:
+    """Per chunked phase, rows per GEMM call from which row chunks are known bit-identical.
+
+    qkv: qkv_proj and out_proj (the QKV row chunk runs both); ffn: fc1 and fc2, adapters
+    included (`exact_rows` derives them from the measured table). 0: only EXACT_MIN_ROWS
+    applies; an int: that many rows too; None: no floor is known (`qkv_why` / `ffn_why` say
+    which GEMM), so chunks of that phase are never claimed exact (they are still split no finer
+    than EXACT_MIN_ROWS, so no tiny tail makes it worse).
+    """
+
+    qkv: int | None = 0
+    ffn: int | None = 0
+    qkv_why: str = ""
+    ffn_why: str = ""
+
+    def known(self, phase: str) -> bool:
+        return getattr(self, phase) is not None
+
+    def split_floor(self, phase: str) -> int:
+        """The floor `row_chunks` keeps this phase's chunks at (see there)."""
+        return max(EXACT_MIN_ROWS, getattr(self, phase) or 0)
+
+    def why(self, phase: str) -> str:
+        return getattr(self, f"{phase}_why") or f"{phase} has no known row floor"
+
+
+def planned_floors(dims: BlockDims, adapters: Adapters) -> RowFloors:
+    """Floors the planner predicts with: the measured GPUs' table for these widths and adapters
+    (one rank on every adapted linear), before the GPU's own kernels are known."""
+    return _planned_floors(dims, adapters)
+
+
+@lru_cache(maxsize=256)
+def _planned_floors(dims: BlockDims, adapters: Adapters) -> RowFloors:
+    from . import exact_rows
+
+    counts = {"qkv_proj": adapters.qkv, "out_proj": adapters.out_proj, "fc1": adapters.fc1,
+              "fc2": adapters.fc2}
+    ranks = {name: (adapters.rank,) if n > 0 else () for name, n in counts.items()}
+    shapes = exact_rows.linear_shapes(dims.hidden, dims.inner, dims.ffn)
+    table = exact_rows.planning_table()
+    found = {phase: exact_rows.phase_floor(table, shapes, ranks, linears, where="the measured GPUs")
+             for phase, linears in exact_rows.PHASE_LINEARS.items()}
+    return RowFloors(found["qkv"][0], found["ffn"][0], found["qkv"][1], found["ffn"][1])
+
+
+def _floors(floors: RowFloors | None, dims: BlockDims, adapters: Adapters) -> RowFloors:
+    return planned_floors(dims, adapters) if floors is None else floors
+
+
+def row_reasons(phase: str, value: int | str, floors: RowFloors, *,
+                tokens: int | None = None) -> list[str]:
+    """Why chunks of `value` rows in `phase` may differ from the unchunked call ([] when
+    exact). With `tokens`, only a value that really splits the sequence counts."""
+    if not value:
+        return []
+    if isinstance(value, int) and tokens is not None and \
+            len(row_chunks(tokens, value, floors.split_floor(phase))) <= 1:
+        return []
+    if not floors.known(phase):
+        if value == "auto":
+            return [f"{floors.why(phase)}, if memory needs the {phase} chunked"]
+        return [floors.why(phase)]
+    if isinstance(value, int) and value < EXACT_MIN_ROWS:
+        return [f"{phase} chunks of {value} rows (< {floors.split_floor(phase)})"]
+    return []
+
+
+def head_reasons(head_group: int | str, *, heads: int | None = None,
+                 tokens: int | None = None) -> list[str]:
+    if not isinstance(head_group, int) or not 0 < head_group < EXACT_MIN_HEADS:
+        return []
+    if heads is not None and tokens is not None and \
+            len(head_groups(heads, head_group, tokens)) <= 1:
+        return []
+    return [f"{head_group} heads per attention call (< {EXACT_MIN_HEADS})"]
+
+
+def note_of(reasons: list[str] | tuple[str, ...]) -> str:
+    """'exact', or the status note naming what may make chunked results differ."""
+    if not reasons:
+        return "exact"
+    return f"may differ from unchunked at bf16 rounding ({'; '.join(dict.fromkeys(reasons))})"
+
+
+def exactness_note(ffn_chunk: int | str, qkv_chunk: int | str, head_group: int | str,
+                   floors: RowFloors | None = None) -> str:
     """'exact', or what may make chunked results differ from unchunked ones at bf16 rounding.
 
-    Rows: chunks of at least EXACT_MIN_ROWS (or "auto", which never goes below) keep cuBLAS on
-    the unchunked call's kernels. Heads: groups of at least EXACT_MIN_HEADS keep flash attention
-    free of split-KV (`head_groups` enlarges them on short sequences). Both floors were measured
-    on an H200; `bench/sweep_chunk_exactness.py` measures them on other GPUs.
+    Rows: chunks of at least EXACT_MIN_ROWS (or "auto", which never goes below) are realised at
+    or above the phase's floor (`RowFloors`; default: EXACT_MIN_ROWS only), which keeps cuBLAS
+    on the unchunked call's kernels; a phase without a known floor (an on-activation adapter
+    nobody measured on this GPU) is not claimed exact. Heads: groups of at least
+    EXACT_MIN_HEADS keep flash attention free of split-KV (`head_groups` enlarges them on short
+    sequences). `bench/sweep_chunk_exactness.py` measures the floors on other GPUs.
     """
-    small = [f"{name} chunks of {value} rows (< {EXACT_MIN_ROWS})"
-             for name, value in (("ffn", ffn_chunk), ("qkv", qkv_chunk))
-             if isinstance(value, int) and 0 < value < EXACT_MIN_ROWS]
-    if isinstance(head_group, int) and 0 < head_group < EXACT_MIN_HEADS:
-        small.append(f"{head_group} heads per attention call (< {EXACT_MIN_HEADS})")
-    if not small:
-        return "exact"
-    return (f"may differ from unchunked at bf16 rounding: {', '.join(small)} can change the GPU "
-            f"kernels")
+    floors = RowFloors() if floors is None else floors
+    reasons = [*row_reasons("ffn", ffn_chunk, floors), *row_reasons("qkv", qkv_chunk, floors),
+               *head_reasons(head_group)]
+    return note_of(reasons)
 
 
 @dataclass(frozen=True)
@@ -223,8 +313,11 @@ def _check(tokens: int, **chunks: int) -> None:
 def attention_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *,
                                qkv_chunk: int = 0, head_group: int = 0,
                                adapters: Adapters = Adapters(),
-                               kernels: Kernels = Kernels()) -> int:
-    """Peak activation bytes from norm1 to the gated attention residual (see module legend)."""
+                               kernels: Kernels = Kernels(),
+                               floors: RowFloors | None = None) -> int:
+    """Peak activation bytes from norm1 to the gated attention residual (see module legend).
+
+    floors: the row floors the chunks are realised with (None: `planned_floors`)."""
     _check(tokens, qkv_chunk=qkv_chunk, head_group=head_group)
     s, c, i, e = tokens, dims.hidden, dims.inner, dims.element_bytes
     x = h = s * c * e
@@ -239,7 +332,8 @@ def attention_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *,
         a3 = x + h + attn_out + linear_call_bytes(s, c, adapters.out_proj, adapters.rank, e)
         return max(norm1, a1, a2, a3)
     if qkv_chunk:
-        m = largest_chunk_rows(s, qkv_chunk)
+        m = largest_chunk_rows(s, qkv_chunk,
+                               _floors(floors, dims, adapters).split_floor("qkv"))
         b1 = x + h + qkv + linear_call_bytes(m, 3 * i, adapters.qkv, adapters.rank, e)
     else:
         m = s
@@ -273,7 +367,8 @@ def _mlp_moments(rows: int, dims: BlockDims, adapters: Adapters, kernels: Kernel
 
 def mlp_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *, ffn_chunk: int = 0,
                          adapters: Adapters = Adapters(), kernels: Kernels = Kernels(),
-                         chunked_block: bool | None = None) -> int:
+                         chunked_block: bool | None = None,
+                         floors: RowFloors | None = None) -> int:
     """Peak activation bytes from norm2 to the gated MLP residual (see module legend).
 
     chunked_block: whether the patched block forward runs (it frees the attention phase's h
@@ -284,7 +379,8 @@ def mlp_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *, ffn_chun
     s, e = tokens, dims.element_bytes
     x = h = s * dims.hidden * e
     m0 = (x + h if chunked_block else x + 2 * h) + int(kernels.norm_temp_bytes * s * dims.hidden)
-    rows = largest_chunk_rows(s, ffn_chunk) if ffn_chunk else s
+    floor = _floors(floors, dims, adapters).split_floor("ffn") if ffn_chunk else 0
+    rows = largest_chunk_rows(s, ffn_chunk, floor) if ffn_chunk else s
     return max(m0, x + h + _mlp_moments(rows, dims, adapters, kernels))
 
 
@@ -304,14 +400,14 @@ class BlockPeak:
 
 def block_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *, ffn_chunk: int = 0,
                      qkv_chunk: int = 0, head_group: int = 0, adapters: Adapters = Adapters(),
-                     kernels: Kernels = Kernels()) -> BlockPeak:
+                     kernels: Kernels = Kernels(), floors: RowFloors | None = None) -> BlockPeak:
     """Both phases' activation peaks of one block forward with these chunk settings."""
     chunked_block = bool(ffn_chunk or qkv_chunk or (0 < head_group < dims.heads))
     return BlockPeak(
         attention_phase_peak_bytes(tokens, dims, qkv_chunk=qkv_chunk, head_group=head_group,
-                                   adapters=adapters, kernels=kernels),
+                                   adapters=adapters, kernels=kernels, floors=floors),
         mlp_phase_peak_bytes(tokens, dims, ffn_chunk=ffn_chunk, adapters=adapters,
-                             kernels=kernels, chunked_block=chunked_block))
+                             kernels=kernels, chunked_block=chunked_block, floors=floors))
 
 
 def unchunked_block_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *,
@@ -351,7 +447,8 @@ def choose_chunks(free_bytes: int, tokens: int, dims: BlockDims = BlockDims(), *
                   adapters: Adapters = Adapters(), kernels: Kernels = Kernels(),
                   ffn_chunk: int | None = None, qkv_chunk: int | None = None,
                   head_group: int | None = None, headroom_fraction: float = 0.1,
-                  headroom_bytes: int = 512 << 20, granule: int = 1024) -> ChunkChoice:
+                  headroom_bytes: int = 512 << 20, granule: int = 1024,
+                  floors: RowFloors | None = None) -> ChunkChoice:
     """The least chunking whose block peak fits the memory free at block entry.
 
     free_bytes: bytes the allocator can still hand out when the block starts (x, the residual
@@ -360,8 +457,10 @@ def choose_chunks(free_bytes: int, tokens: int, dims: BlockDims = BlockDims(), *
     weight casts. A value given for ffn_chunk / qkv_chunk / head_group is kept; None chooses it.
     Preference, because each step costs a little more launches than the one before: no chunking;
     FFN rows (largest fitting chunk); QKV rows; then fewer heads per attention call. Only exact
-    settings are chosen: row chunks of at least EXACT_MIN_ROWS, head groups of at least
-    EXACT_MIN_HEADS that keep MIN_QUERY_TILES_PER_CALL. `fits` is False when even the smallest
+    settings are chosen: row chunks of at least EXACT_MIN_ROWS, realised at or above each
+    phase's floor (`floors`, None: `planned_floors`), head groups of at least EXACT_MIN_HEADS
+    that keep MIN_QUERY_TILES_PER_CALL. A phase without a known floor is chunked only when
+    nothing else fits (no chunking comes first anyway). `fits` is False when even the smallest
     of those exceed the budget (the most aggressive are returned).
     """
     _check(tokens)
@@ -369,19 +468,22 @@ def choose_chunks(free_bytes: int, tokens: int, dims: BlockDims = BlockDims(), *
         raise ValueError(f"free_bytes must be a non-negative int, got {free_bytes!r}")
     budget = int(free_bytes * (1.0 - headroom_fraction)) - headroom_bytes
     resident = tokens * dims.hidden * dims.element_bytes  # x, already allocated
+    floors = _floors(floors, dims, adapters)
 
     def peak(ffn: int, qkv: int, group: int) -> BlockPeak:
         return block_peak_bytes(tokens, dims, ffn_chunk=ffn, qkv_chunk=qkv, head_group=group,
-                                adapters=adapters, kernels=kernels)
+                                adapters=adapters, kernels=kernels, floors=floors)
 
     def fits(value: int) -> bool:
         return value - resident <= budget
 
     rows = _row_candidates(tokens, granule)
-    # never below the exactness floor: a short sequence is not row-chunked by "auto" at all
-    rows = rows[:1] + [r for r in rows[1:] if r >= EXACT_MIN_ROWS]
-    ffn_options = [ffn_chunk] if ffn_chunk is not None else [0] + rows[1:]
-    qkv_options = [qkv_chunk] if qkv_chunk is not None else [0] + rows[1:]
+    # never below a phase's floor: a sequence too short for two chunks of it is not row-chunked
+    # by "auto" at all
+    ffn_options = [ffn_chunk] if ffn_chunk is not None else \
+        [0] + [r for r in rows[1:] if r >= floors.split_floor("ffn")]
+    qkv_options = [qkv_chunk] if qkv_chunk is not None else \
+        [0] + [r for r in rows[1:] if r >= floors.split_floor("qkv")]
     tiles = query_tiles(tokens)
     group_options = ([head_group] if head_group is not None else
                      [0] + [g for g in HEAD_GROUP_CANDIDATES
@@ -393,14 +495,32 @@ def choose_chunks(free_bytes: int, tokens: int, dims: BlockDims = BlockDims(), *
 
     def mlp(ffn: int) -> int:
         return mlp_phase_peak_bytes(tokens, dims, ffn_chunk=ffn, adapters=adapters,
-                                    kernels=kernels, chunked_block=chunked or ffn > 0)
+                                    kernels=kernels, chunked_block=chunked or ffn > 0,
+                                    floors=floors)
 
     ffn = next((v for v in ffn_options if fits(mlp(v))), ffn_options[-1])
     attn = next(((q, g) for g in group_options for q in qkv_options
                  if fits(attention_phase_peak_bytes(tokens, dims, qkv_chunk=q, head_group=g,
-                                                    adapters=adapters, kernels=kernels))),
+                                                    adapters=adapters, kernels=kernels,
+                                                    floors=floors))),
                 None)
     if attn is None:
         attn = (qkv_options[-1], group_options[-1])
     result = peak(ffn, *attn)
     return ChunkChoice(ffn, attn[0], attn[1], result, budget, fits(result.peak_bytes))
+
+
+def phase_fits_unchunked(free_bytes: int, tokens: int, dims: BlockDims, phase: str, *,
+                         head_group: int, adapters: Adapters, kernels: Kernels,
+                         headroom_bytes: int, headroom_fraction: float = 0.1) -> bool:
+    """Whether `phase` ("ffn" or "qkv") fits unchunked in the budget `choose_chunks` would use
+    (the chunked block forward runs, so the attention phase's h is freed before the MLP)."""
+    budget = int(free_bytes * (1.0 - headroom_fraction)) - headroom_bytes
+    resident = tokens * dims.hidden * dims.element_bytes
+    if phase == "ffn":
+        peak = mlp_phase_peak_bytes(tokens, dims, adapters=adapters, kernels=kernels,
+                                    chunked_block=True)
+    else:
+        peak = attention_phase_peak_bytes(tokens, dims, head_group=head_group,
+                                          adapters=adapters, kernels=kernels)
+    return peak - resident <= budget

@@ -400,8 +400,20 @@ def _plan_chunks(request: PlanRequest, dims: BlockDims, tokens: int, free_for_ac
                                  f"{plain.peak_bytes / GiB:.1f} GiB fits beside all blocks")
     chunked = choose_chunks(max(free_for_acts, 0), tokens, dims, **peak_kwargs)
     after = block_activation_peak(tokens, dims, chunked, **peak_kwargs)
+    note = _chunk_note(request, dims, chunked)
     return chunked, (f"caps the {plain.phase} peak {plain.peak_bytes / GiB:.1f} -> "
-                     f"{after.peak_bytes / GiB:.1f} GiB (row chunking is exact)")
+                     f"{after.peak_bytes / GiB:.1f} GiB (row chunking: {note})")
+
+
+def _chunk_note(request: PlanRequest, dims: BlockDims, chunks: ChunkSettings) -> str:
+    """'exact', or why not: the measured row floors of the on-activation LoRA's GEMMs."""
+    from ..chunking import sizing as block_sizing
+
+    adapters = (block_sizing.Adapters(rank=request.lora_rank, qkv=1, fc1=1)
+                if request.lora_rank else block_sizing.Adapters())
+    floors = block_sizing.planned_floors(dims, adapters)
+    return block_sizing.exactness_note(chunks.ffn_chunk, chunks.qkv_chunk, chunks.head_group,
+                                       floors)
 
 
 def _plan_prefetch(request: PlanRequest, profile: HardwareProfile, sizes: ComponentSizes,

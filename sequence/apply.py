@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-from ..chunking.h3_ops import H3Ops
+from ..chunking import exact_rows
+from ..chunking.block import device_name, linear_shape
+from ..chunking.h3_ops import H3Ops, activation_adapter_ranks
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
 from . import sizing
@@ -241,6 +243,9 @@ class SequenceParallel:
         self.forward: _Forward | None = None
         self.steps = {"sequence": 0, "heads": 0, "off": 0, "fallback": 0}
         self.blocks_run = 0  # blocks run split, over the model's life (runners come and go)
+        self.notes: dict[str, None] = {}  # run-time refusals the status line names
+        self.sinks: list[dict] = []  # status dicts the line was written to
+        self._floors: dict[tuple, tuple[int | None, str]] = {}
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
@@ -262,14 +267,48 @@ class SequenceParallel:
         return sizing.LinkSpeed(gbps=gbps, host_relay=self.host_relay,
                                 host_gbps=self.config.host_gbps)
 
-    def decide(self, seq_len: int, options: dict, forced: ParallelMode | None) -> _Decision:
+    def share_floor(self, dtype: torch.dtype) -> tuple[int | None, str]:
+        """(rows, why): the row floor the blocks' GEMMs need on every device with the
+        on-activation adapters on them now (`chunking.exact_rows`: 0 when nothing beyond the
+        split's own floor; None when an adapter has no known floor, `why` names it)."""
+        ranks = tuple((name, tuple(sorted({r for block in self.blocks
+                                           for r in activation_adapter_ranks(_linear(block,
+                                                                                     name))})))
+                      for name in exact_rows.LINEARS)
+        key = (ranks, dtype)
+        if key not in self._floors:
+            shapes = {name: linear_shape(_linear(self.blocks[0], name))
+                      for name in exact_rows.LINEARS}
+            dtype_name = str(dtype).removeprefix("torch.")
+            floor, why = 0, ""
+            for device in dict.fromkeys(self.devices):
+                name = device_name(device)
+                value, reason = exact_rows.phase_floor(
+                    exact_rows.table_for(name, dtype_name), shapes, dict(ranks),
+                    exact_rows.LINEARS, where=f"{name} {dtype_name}", gpu=device.type != "cpu")
+                if value is None:
+                    floor, why = None, reason
+                    break
+                if value > floor:
+                    adapted = any(rs for _, rs in ranks)
+                    floor, why = value, ("the measured floor of the blocks' GEMMs"
+                                         + (" with their on-activation adapters" if adapted
+                                            else "") + f" on {name}")
+            self._floors[key] = (floor, why)
+        return self._floors[key]
+
+    def decide(self, seq_len: int, options: dict, forced: ParallelMode | None,
+               dtype: torch.dtype = torch.bfloat16) -> _Decision:
         requested = forced or self.config.parallel
         heads_call = _dual_sage_in(options)
         heads_ok = heads_call is not None and seq_len >= getattr(heads_call, "min_tokens", 0)
         if requested is ParallelMode.OFF:
             return _Decision(ParallelMode.OFF, "switched off" if forced is None else
                              "a helper failed at this length: one GPU")
-        refusal = self.split.refusal(seq_len)
+        floor, why = self.share_floor(dtype)
+        refusal = self.split.refusal(seq_len, floor, why)
+        if refusal is not None and (floor is None or floor > self.split.exact_min_rows):
+            self._note(f"sequence refused at {seq_len:,} tokens: {refusal}")
         if refusal is None and seq_len in self.failed_lengths:
             refusal = "a helper failed at this length before"
         speeds, link = self.speeds(), self.link()
@@ -333,9 +372,20 @@ class SequenceParallel:
                 out.add(i)
         return out
 
-    def choose_for(self, forward: _Forward, seq_len: int) -> ParallelMode:
+    def _note(self, text: str) -> None:
+        """A run-time refusal the status line names (and the log, once)."""
+        if text in self.notes:
+            return
+        self.notes[text] = None
+        warn_once(text)
+        line = self.status()
+        for sink in self.sinks:
+            sink["sequence"] = line
+
+    def choose_for(self, forward: _Forward, seq_len: int,
+                   dtype: torch.dtype = torch.bfloat16) -> ParallelMode:
         if forward.mode is None:
-            decision = self.decide(seq_len, forward.options, forward.forced)
+            decision = self.decide(seq_len, forward.options, forward.forced, dtype)
             if forward.foreign_outside and decision.mode is ParallelMode.SEQUENCE:
                 first = min(forward.foreign_outside)
                 decision.reason += (f"; block {first} is patched outside the sequence mode, so "
@@ -417,7 +467,7 @@ class SequenceParallel:
             if forward is None or forward.options is not options:
                 return _call(previous, args, extra)  # outside our wrapper: plain block
             if forward.mode is None:
-                self.choose_for(forward, args["img"].shape[0])
+                self.choose_for(forward, args["img"].shape[0], args["img"].dtype)
             if forward.mode is not ParallelMode.SEQUENCE or not _decomposable(args) or \
                     H3Ops.for_block(self.blocks[index]).in_training():
                 self._gather_into(forward)
@@ -458,7 +508,7 @@ class SequenceParallel:
                 forward.split = state
             block = self.blocks[index]
             chunked = block.__dict__.get("forward")
-            chunked = chunked if hasattr(chunked, "chunks_for") else None
+            chunked = chunked if hasattr(chunked, "row_plan") else None
             runner.run_block(state, index, block, args["transformer_options"], chunked)
             self.blocks_run += 1
             # whoever sees h next must see all of it: the model after the last block, a foreign
@@ -514,8 +564,10 @@ class SequenceParallel:
                 f"helpers {helpers}; rows {rows}, heads {heads} in chunks of >= "
                 f"{split.chunk_heads}; transport {'/'.join(sorted(self.modes))}; helper weights "
                 f"{self.config.helper_weights}; exact (row shares >= {split.exact_min_rows:,}, "
-                f"shorter steps run another way); mode chosen per step from the token count"
-                + (f"; {self.config.note}" if self.config.note else ""))
+                f"more with on-activation LoRA; shorter steps run another way); mode chosen per "
+                f"step from the token count"
+                + (f"; {self.config.note}" if self.config.note else "")
+                + "".join(f"; {note}" for note in self.notes))
 
 
 class SequenceFailure(Exception):
@@ -524,6 +576,10 @@ class SequenceFailure(Exception):
     def __init__(self, seq_len: int):
         super().__init__(f"sequence parallel failed at {seq_len} tokens")
         self.seq_len = seq_len
+
+
+def _linear(block: torch.nn.Module, name: str) -> torch.nn.Module:
+    return getattr(block.attn if name in ("qkv_proj", "out_proj") else block.mlp, name)
 
 
 def _call(previous: Callable | None, args: dict, extra: dict) -> dict:
@@ -627,6 +683,7 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
         add_callback(detach, WRAPPER_KEY, lambda *a, **k: mode.release())
     to = patched.model_options["transformer_options"]
     to["h3_multigpu"] = {**to.get("h3_multigpu", {}), "sequence": mode.status()}
+    mode.sinks.append(to["h3_multigpu"])  # run-time refusals rewrite the line there
     return patched
 
 

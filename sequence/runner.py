@@ -257,13 +257,14 @@ class SequenceRunner:
         arrived: dict[tuple[int, int, int], Any] = {}
         for k, share in enumerate(shares):
             with self.on_device(k, index):
-                ffn_chunk, qkv_chunk = _row_chunks(chunked, share.x_sC)
-                sizes.append((ffn_chunk, qkv_chunk))
+                rows = _row_chunks(chunked, share.x_sC)
+                sizes.append(rows)
+                qkv_chunk, qkv_floor = rows[1]
                 mod = block.adaln_proj(share.t_emb)
                 mods.append(mod)
                 h_sC = ops.mod_scale_shift(block.norm1(share.x_sC), mod[0], mod[1],
                                            share.segments)
-                qkv_sN = project_rows(attn.qkv_proj, h_sC, qkv_chunk)
+                qkv_sN = project_rows(attn.qkv_proj, h_sC, qkv_chunk, qkv_floor)
                 del h_sC  # consumed: free it before the attention buffers fill
                 s = share.rows
                 q = qkv_sN[:, :inner].view(1, s, heads, head_dim)
@@ -340,15 +341,15 @@ class SequenceRunner:
                         # the returned rows are read next: they must have arrived
                         wait(compute, returned[(k, j, c)])
                         outs[k][:, h0 * head_dim:h1 * head_dim].copy_(recv.pop((k, j, c)))
-                ffn_chunk, qkv_chunk = sizes[k]
+                (ffn_chunk, ffn_floor), (qkv_chunk, qkv_floor) = sizes[k]
                 _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[k]
                 _gated_rows(ops, share.x_sC, gate_msa, attn.out_proj, outs[k], share.segments,
-                            qkv_chunk)
+                            qkv_chunk, qkv_floor)
                 outs[k] = None
                 h_sC = ops.mod_scale_shift(block.norm2(share.x_sC), shift_mlp, scale_mlp,
                                            share.segments)
                 _gated_rows(ops, share.x_sC, gate_mlp, block.mlp, h_sC, share.segments,
-                            ffn_chunk)
+                            ffn_chunk, ffn_floor)
                 del h_sC
             if k:
                 with device_current(share.device):
@@ -375,18 +376,20 @@ class SequenceRunner:
         return out_SG if out_SG.is_contiguous() else out_SG.contiguous()
 
 
-def _row_chunks(chunked: Any, x_sC: torch.Tensor) -> tuple[int, int]:
-    """(ffn_chunk, qkv_chunk) rows from an activation-chunking forward on the block, else 0."""
+def _row_chunks(chunked: Any, x_sC: torch.Tensor) -> tuple[tuple[int, int | None], ...]:
+    """((ffn_chunk, floor), (qkv_chunk, floor)) from an activation-chunking forward on the
+    block for this share (its plan keeps each phase's row floor), else unchunked."""
     if chunked is None:
-        return 0, 0
-    ffn_chunk, qkv_chunk, _ = chunked.chunks_for(x_sC)
-    return ffn_chunk, qkv_chunk
+        return (0, None), (0, None)
+    plan = chunked.row_plan(x_sC)
+    return (plan.ffn_chunk, plan.ffn_floor), (plan.qkv_chunk, plan.qkv_floor)
 
 
 def _gated_rows(ops: H3Ops, x_sC: torch.Tensor, gate: torch.Tensor, module: torch.nn.Module,
-                input_sK: torch.Tensor, segments: Segments, chunk: int) -> None:
+                input_sK: torch.Tensor, segments: Segments, chunk: int,
+                floor: int | None = None) -> None:
     """x += gate * module(input) per segment, `chunk` rows at a time (all at once when 0)."""
-    ranges = row_chunks(x_sC.shape[0], chunk)
+    ranges = row_chunks(x_sC.shape[0], chunk, floor)
     if len(ranges) <= 1:
         ops.mod_gate(x_sC, gate, module(input_sK), segments)
         return

@@ -10,8 +10,10 @@ and the measured exact range on H200 flash attention starts at 4 heads), so tran
 chunk overlap the attention of this one.
 
 Exactness needs each device's row share inside the range where the GEMM kernel does not change
-with the row count (cuBLAS on H200: >= 4096 rows, measured by the chunking work). `rows_for`
-returns None with a reason outside it; the caller then runs the step another way.
+with the row count (cuBLAS on H200: >= 4096 rows, measured by the chunking work; with
+on-activation adapters their GEMMs' measured floors, `chunking.exact_rows`, which can be higher
+or unknown). `refusal` says why a length falls outside it; the caller then runs the step
+another way.
 """
 
 from __future__ import annotations
@@ -148,13 +150,19 @@ class SequenceSplit:
         """Contiguous [a, b) row ranges per device for a sequence of `seq_len` rows."""
         return ranges_of(split_by_weights(seq_len, self.row_weights))
 
-    def refusal(self, seq_len: int) -> str | None:
-        """Why a sequence of `seq_len` rows cannot run split exactly (None: it can)."""
+    def refusal(self, seq_len: int, floor: int | None = 0, why: str = "") -> str | None:
+        """Why a sequence of `seq_len` rows cannot run split exactly (None: it can).
+
+        floor: a higher row floor the blocks' GEMMs need (the on-activation adapters' measured
+        floor, `why` names them); None: they have no known floor, so no split is exact."""
+        if floor is None:
+            return f"{why}: no row share is known to be bit-identical"
         shares = [b - a for a, b in self.rows_for(seq_len)]
-        low = self.exact_min_rows
+        low = max(self.exact_min_rows, floor)
         if min(shares) < low:
+            cause = (f" ({why})" if why else "")
             return (f"{seq_len:,} tokens give a GPU only {min(shares):,} rows; row shares below "
-                    f"{low:,} may change the GEMM kernel (not bit-identical)")
+                    f"{low:,}{cause} may change the GEMM kernel (not bit-identical)")
         return None
 
     def describe(self) -> str:

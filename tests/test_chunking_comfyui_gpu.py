@@ -6,14 +6,21 @@ ModelPatcher and sampler path.
 The reference is ComfyUI's own unpatched output, computed with cuda:1 current (the unpatched
 model cannot run with cuda:0 current: comfy-kitchen's DLPack export needs its device). Chunked
 runs go through `apply_activation_chunking`, whose device guard makes cuda:1 current.
-Exact settings (the planner's 4096-row / 14-head choice, "auto") must be bit-identical; explicit
-small chunks must say "may differ" and stay within bf16 rounding.
+Exact settings (the planner's 4096-row / 14-head choice, "auto") must be bit-identical: with an
+on-activation LoRA of rank 128 on every linear the row chunks stay above the measured floors of
+its down projections (chunking/exact_rows.json: fc2's needs 8,192 rows). A rank-32 LoRA on fc2
+has no floor: the FFN stays whole while it fits (exact), and when memory needs it chunked the
+line says "may differ" and the error is bounded by k = 2 times bf16's own error of the
+unchunked model against fp32. Explicit small chunks must say "may differ" and stay within bf16
+rounding.
 
     COMFYUI_PATH=/path/to/ComfyUI python -m pytest -m "comfyui and multi_gpu" \
-        tests/test_chunking_comfyui_gpu.py          # ~2 min on 2x H200, most of it building
+        tests/test_chunking_comfyui_gpu.py          # ~2.5 min on 2x H200, most of it building
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -69,19 +76,24 @@ def _reference(patcher, inputs, **kwargs):
 
 
 def _chunked(patcher, config, inputs, **kwargs):
+    """Run chunked; returns (outputs, patcher, the block's RowPlan, tokens, status line)."""
     chunked = apply_activation_chunking(patcher, config)
     with CallCounter(chunked) as counts, AttentionCounter() as attention:
         out = run_like_sampler(chunked, inputs, **kwargs)
-    chunks = chunked.object_patches["diffusion_model.blocks.0.forward"].last_chunks
+    plan = chunked.object_patches["diffusion_model.blocks.0.forward"].last_plan
     tokens = counts.rows[0]
-    fc1 = len(sizing.row_chunks(tokens, chunks[0]))
-    qkv = len(sizing.row_chunks(tokens, chunks[1]))
-    groups = len(sizing.head_groups(WIDE.heads, chunks[2], tokens))
-    assert fc1 * qkv * groups > 1, (chunks, tokens)  # chunking engaged
+    fc1 = len(sizing.row_chunks(tokens, plan.ffn_chunk, plan.ffn_floor))
+    qkv = len(sizing.row_chunks(tokens, plan.qkv_chunk, plan.qkv_floor))
+    groups = len(sizing.head_groups(WIDE.heads, plan.head_group, tokens))
+    assert fc1 * qkv * groups > 1, (plan, tokens)  # chunking engaged
     assert counts.per_block("mlp.fc1") == fc1 and counts.per_block("attn.qkv_proj") == qkv
     assert attention.entered - WIDE.refiner_blocks == WIDE.blocks * groups
     line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
-    return out, chunked, chunks, tokens, line
+    return out, chunked, plan, tokens, line
+
+
+def _smallest_chunk(tokens: int, chunk: int, floor: int) -> int:
+    return min(b - a for a, b in sizing.row_chunks(tokens, chunk, floor))
 
 
 def _equal(a, b) -> None:
@@ -103,13 +115,18 @@ def test_planner_chunks_are_bit_identical_on_cuda1(wide, case):
         patcher = with_bypass_lora(base, lora_sd)
     reference = _reference(patcher, inputs, **kwargs)
     unload_all()
-    out, chunked, chunks, tokens, line = _chunked(patcher, PLANNER, inputs, **kwargs)
+    out, chunked, plan, tokens, line = _chunked(patcher, PLANNER, inputs, **kwargs)
     assert tokens > 16_000 and line.endswith("; exact"), line
-    assert min(b - a for a, b in sizing.row_chunks(tokens, chunks[0])) >= sizing.EXACT_MIN_ROWS
+    assert _smallest_chunk(tokens, plan.ffn_chunk, plan.ffn_floor) >= sizing.EXACT_MIN_ROWS
+    assert _smallest_chunk(tokens, plan.qkv_chunk, plan.qkv_floor) >= sizing.EXACT_MIN_ROWS
     if case == "lora_lowvram":
         assert lowvram_patched_modules(chunked) > 0
     if case == "bypass_lora":
         assert bypass_adapted_modules(chunked) == 4 * (WIDE.blocks + WIDE.refiner_blocks)
+        # the rank-128 adapter's down projections: out_proj's exact from 3,328 rows, fc2's
+        # from 8,192 (the 4,096-row FFN chunks of the plan gave max |diff| 0.028)
+        assert plan.ffn_floor == 8192 and plan.qkv_floor == 4096, plan
+        assert _smallest_chunk(tokens, plan.ffn_chunk, plan.ffn_floor) >= 8192
     _equal(out, reference)
 
 
@@ -121,9 +138,51 @@ def test_auto_under_memory_pressure_is_bit_identical(wide, monkeypatch):
     unload_all()
     # 1 GiB free at every block: "auto" must chunk rows and heads, inside the exactness floors
     monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 1 << 30)
-    out, _, chunks, tokens, line = _chunked(patcher, ChunkingConfig.from_strings(), inputs)
-    assert chunks[0] >= sizing.EXACT_MIN_ROWS and line.endswith("; exact"), (chunks, line)
+    out, _, plan, tokens, line = _chunked(patcher, ChunkingConfig.from_strings(), inputs)
+    assert plan.ffn_chunk and line.endswith("; exact"), (plan, line)
+    assert _smallest_chunk(tokens, plan.ffn_chunk, plan.ffn_floor) >= 8192, plan
     _equal(out, reference)
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_fc2_lora_without_a_floor_stays_whole_or_is_bounded(wide, monkeypatch):
+    """A rank-32 LoRA on fc2: its down projection 14336->32 never kept one kernel across row
+    counts on H200 (chunking/exact_rows.json: null), so no FFN chunk is known exact."""
+    base, _ = wide
+    lora_sd = make_lora_state_dict(base, rank=32, seed=4,
+                                   targets=("attn.qkv_proj", "mlp.fc2"))
+    patcher = with_bypass_lora(base, lora_sd)
+    inputs = make_inputs(WIDE, latent_thw=LONG, keyframe=True, audio_mask=True)
+    reference = _reference(patcher, inputs)
+    unload_all()
+    # the plan's 4096-row chunks, memory to spare: the FFN stays whole, qkv chunks >= 5,000 rows
+    out, _, plan, tokens, line = _chunked(patcher, PLANNER, inputs)
+    assert plan.ffn_chunk == 0 and plan.qkv_floor == 5000, plan
+    assert _smallest_chunk(tokens, plan.qkv_chunk, plan.qkv_floor) >= 5000
+    assert "ffn left whole (on-activation LoRA on fc2, rank 32; it fits unchunked)" in line
+    assert line.endswith("; exact"), line
+    _equal(out, reference)
+    unload_all()
+    # memory needs the FFN chunked: it is, and the line says what may differ
+    monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 1 << 30)
+    out, _, plan, tokens, line = _chunked(patcher, PLANNER, inputs)
+    assert plan.ffn_chunk and line.endswith(
+        "may differ from unchunked at bf16 rounding (on-activation LoRA on fc2, rank 32)"), line
+    unload_all()
+    # the bound: k = 2 times bf16's own error of the unchunked model against fp32 (the same
+    # bf16-rounded weights and LoRA, computed in fp32)
+    fp32 = make_tiny_h3(replace(WIDE, dtype=torch.float32), seed=0, load_device=GPU1)
+    fp32.model.diffusion_model.load_state_dict(
+        {k: v.float() for k, v in base.model.diffusion_model.state_dict().items()})
+    exact = _reference(with_bypass_lora(fp32, lora_sd), inputs)
+    del fp32
+    unload_all()
+    for chunked, plain, ref in zip(out, reference, exact, strict=True):
+        assert _rel(chunked, plain) <= 2 * _rel(plain, ref), (_rel(chunked, plain),
+                                                              _rel(plain, ref))
 
 
 @pytest.mark.parametrize("config", [ChunkingConfig(ffn_chunk=333, qkv_chunk=777, head_group=5),

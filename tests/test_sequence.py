@@ -281,7 +281,7 @@ def test_activation_chunking_applies_per_share(monkeypatch, tiny_twin, tiny_inpu
     config = ChunkingConfig(ffn_chunk=8, qkv_chunk=8)
     reference = TwinPatcher(tiny_twin).apply_model(*tiny_inputs)
     chunk_calls = Counter(monkeypatch, runner_module, "row_chunks",
-                          lambda total, chunk: (total, chunk))
+                          lambda total, chunk, floor=None: (total, chunk))
     for patched in (on_cpu(apply_activation_chunking(TwinPatcher(tiny_twin), config)),
                     apply_activation_chunking(on_cpu(TwinPatcher(tiny_twin)), config)):
         assert same(patched.apply_model(*tiny_inputs), reference)

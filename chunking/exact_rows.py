@@ -1,0 +1,158 @@
+"""Where a row slice of a GEMM gives the whole call's bits: measured floors per GPU and shape.
+
+Activation chunking (and the sequence-parallel mode's row shares) runs each big linear on a
+slice of the token rows. On a GPU the slice equals the same rows of one whole call only while
+cuBLAS keeps the same kernel (tile shape, split-K, reduction order), and cuBLAS chooses by the
+row count M, the reduction K and the output width N. `exact_rows.json` holds, per GPU model and
+dtype, per GEMM shape "K->N", the fewest rows from which every measured slice was bit-identical
+to the whole call (slices of 256..32,768 rows against whole calls of 3,320..102,363 rows;
+null: no measured slice size was). `bench/sweep_chunk_exactness.py --write-range
+chunking/exact_rows.json` measures and writes it (`--from` rewrites it from a sweep's JSON).
+
+The rule, in one place (chunking, the planner's predictions and `sequence/` all use it):
+- A linear's row floor is the largest floor of the GEMMs one call runs: its own K->N and, for
+  each on-activation (bypass) adapter of rank r on it, the adapter's down projection K->r and
+  up projection r->N. A chunked phase takes the largest floor of its linears (qkv_proj with
+  out_proj; fc1 with fc2); the sequence mode's row shares take all four.
+- The linear's own GEMM is never trusted below `sizing.EXACT_MIN_ROWS` (4,096 rows: what the
+  whole-model GPU tests prove end to end, bias and ComfyUI's casts included); the table raises
+  that where it measured more. A base shape the table does not list (another GPU, another
+  model width) keeps 4,096: the measured base floors are 256-512 rows, an 8x margin.
+- An adapter's GEMMs (N or K = the rank: a handful of output tiles, where cuBLAS turns to
+  split-K kernels whose choice moves with M; on H200 exact only from 2,300-8,192 rows, and the
+  rank-32 down projection of fc2 never) count as exact only with a measured floor for this GPU
+  model, dtype and shape. Another rank, GPU or dtype has no floor: not claimed exact.
+- The CPU is a stand-in (tests), not measured: it keeps the 4,096-row rule for adapters too,
+  unless a table lists it (tests install one).
+A phase without a floor is not chunked unless memory requires it, and then the status says it
+may differ (`chunking.block`); a sequence share without one makes the mode fall back.
+
+Torch-free: the planner imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+TABLE_FILE = Path(__file__).with_name("exact_rows.json")
+CPU = "cpu"
+# H3's chunked phases and the linears each runs with its row chunk
+PHASE_LINEARS = {"qkv": ("qkv_proj", "out_proj"), "ffn": ("fc1", "fc2")}
+LINEARS = ("qkv_proj", "out_proj", "fc1", "fc2")
+
+
+def shape_key(k: int, n: int) -> str:
+    return f"{k}->{n}"
+
+
+@dataclass(frozen=True)
+class GemmTable:
+    """Measured floors of one GPU model and dtype: "K->N" -> fewest exact rows (None: never)."""
+
+    device: str
+    dtype: str
+    floors: Mapping[str, int | None] = field(default_factory=dict)
+    source: str = ""
+
+    def lookup(self, k: int, n: int) -> tuple[bool, int | None]:
+        """(listed, floor): whether K->N was measured, and its floor (None: never exact)."""
+        key = shape_key(k, n)
+        return key in self.floors, self.floors.get(key)
+
+
+def parse_tables(data: dict) -> tuple[GemmTable, ...]:
+    tables = []
+    for device, per_dtype in data.get("devices", {}).items():
+        for dtype, entry in per_dtype.items():
+            tables.append(GemmTable(device, dtype, dict(entry.get("floors", {})),
+                                    entry.get("source", "")))
+    return tuple(tables)
+
+
+@cache
+def load_tables(path: str = str(TABLE_FILE)) -> tuple[GemmTable, ...]:
+    file = Path(path)
+    if not file.exists():
+        return ()
+    return parse_tables(json.loads(file.read_text()))
+
+
+def table_for(device_name: str, dtype: str) -> GemmTable | None:
+    """The measured table of this GPU model (`torch.cuda.get_device_name`) and dtype
+    ("bfloat16"), or None. Tests replace this function to install a table."""
+    for table in load_tables():
+        if table.device == device_name and table.dtype == dtype:
+            return table
+    return None
+
+
+@cache
+def planning_table(dtype: str = "bfloat16") -> GemmTable | None:
+    """Every measured GPU's floors of `dtype` merged (largest; None wins): what the torch-free
+    planner predicts chunk sizes with, before it knows the GPU's kernels."""
+    tables = [t for t in load_tables() if t.dtype == dtype]
+    if not tables:
+        return None
+    merged: dict[str, int | None] = {}
+    for table in tables:
+        for key, value in table.floors.items():
+            if key not in merged:
+                merged[key] = value
+            elif merged[key] is not None:
+                merged[key] = None if value is None else max(merged[key], value)
+    return GemmTable("planning", dtype, merged, "merged: " + ", ".join(t.device for t in tables))
+
+
+def linear_shapes(hidden: int, inner: int, ffn: int) -> dict[str, tuple[int, int]]:
+    """(K, N) of H3's four block linears."""
+    return {"qkv_proj": (hidden, 3 * inner), "out_proj": (inner, hidden),
+            "fc1": (hidden, 2 * ffn), "fc2": (ffn, hidden)}
+
+
+def linear_floor(table: GemmTable | None, name: str, k: int, n: int, ranks: tuple[int, ...],
+                 *, where: str, gpu: bool = True) -> tuple[int | None, str]:
+    """(floor, why): rows per call from which `name` (K->N, with adapters of `ranks`) is known
+    exact, beyond the EXACT_MIN_ROWS every linear keeps; 0 when only that applies; None with
+    the reason when no floor is known. where: the GPU model and dtype, for the reason."""
+    floor = 0
+    if table is not None:
+        listed, value = table.lookup(k, n)
+        if listed and value is None:
+            return None, f"{name} {k}->{n} is never exact in row slices on {where}"
+        floor = value or 0
+    for rank in ranks:
+        lora = f"on-activation LoRA on {name}, rank {rank}" if rank else \
+            f"an on-activation adapter without a LoRA rank on {name}"
+        if table is None:
+            if gpu:
+                return None, f"{lora}: no row floor measured on {where}"
+            continue  # CPU stand-in: the generic rule
+        if not rank:
+            return None, lora
+        for kk, nn in ((k, rank), (rank, n)):
+            listed, value = table.lookup(kk, nn)
+            if not listed:
+                return None, f"{lora}: no row floor measured on {where}"
+            if value is None:
+                return None, lora
+            floor = max(floor, value)
+    return floor, ""
+
+
+def phase_floor(table: GemmTable | None, shapes: Mapping[str, tuple[int, int]],
+                ranks: Mapping[str, tuple[int, ...]], linears: tuple[str, ...], *, where: str,
+                gpu: bool = True) -> tuple[int | None, str]:
+    """The largest floor of `linears` (None and the first reason when one has none)."""
+    floor = 0
+    for name in linears:
+        k, n = shapes[name]
+        value, why = linear_floor(table, name, k, n, tuple(ranks.get(name, ())), where=where,
+                                  gpu=gpu)
+        if value is None:
+            return None, why
+        floor = max(floor, value)
+    return floor, ""
