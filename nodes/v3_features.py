@@ -116,9 +116,8 @@ class H3MultiGPUChunking(io.ComfyNode):
             category=CATEGORY,
             description="Runs the FFN (and optionally QKV and attention heads) in sequence "
                         "chunks to cap the activation peak. Exact with chunks of 4096+ rows and "
-                        "4+ heads per call ('auto' stays there; an on-activation LoRA raises the "
-                        "rows to its measured floor); smaller chunks may differ at bf16 rounding, "
-                        "and the status says so.",
+                        "4+ heads per call ('auto' stays there); smaller chunks may differ at "
+                        "bf16 rounding, and the status says so.",
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("ffn_chunk", default="auto",
