@@ -12,7 +12,8 @@ the ring holds K + 1 slots (the running block plus K arriving ones).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 ALIGNMENT = 256  # bytes; every tensor of a block starts on this boundary in its flat buffer
 STAGING_BUFFERS = 2  # double-buffered: one is filled on the worker while the other is copied
@@ -51,6 +52,52 @@ def pinned_arena_bytes(streamed_block_bytes: Iterable[int], budget_bytes: int | 
             break
         total += nbytes
     return total
+
+
+@dataclass(frozen=True)
+class ArenaSplit:
+    """Which streamed blocks' host copies are direct (pinned on a GPU root) and which stream
+    through the staging ring, for blocks in host-copy order."""
+
+    direct: tuple[bool, ...]
+    direct_bytes: int
+    staging_bytes: int  # pinned staging ring (0 when no block is staged)
+
+    @property
+    def staged_blocks(self) -> int:
+        return sum(1 for d in self.direct if not d)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes on a GPU root: direct copies plus the staging ring."""
+        return self.direct_bytes + self.staging_bytes
+
+
+def arena_split(block_bytes: Sequence[int], budget_bytes: int | None, *, source: str = "auto",
+                staging_buffers: int = STAGING_BUFFERS) -> ArenaSplit:
+    """The runtime's rule (the streamer calls this; the planner too, so both agree).
+
+    "pinned": every block direct, whatever the budget. "pageable": every block staged.
+    "auto": when all blocks fit the budget, all are direct; otherwise the staging ring's
+    buffers are paid from the budget first and blocks are direct while the rest lasts.
+    """
+    sizes = list(block_bytes)
+    if source not in ("auto", "pinned", "pageable"):
+        raise ValueError(f"source={source!r}: use 'auto', 'pinned' or 'pageable'")
+    if source == "pageable":
+        direct = [False] * len(sizes)
+    elif source == "pinned" or budget_bytes is None or sum(sizes) <= budget_bytes:
+        direct = [True] * len(sizes)
+    else:
+        left = max(0, budget_bytes - staging_ring_bytes(max(sizes), staging_buffers))
+        direct = []
+        for nbytes in sizes:
+            fits = nbytes <= left
+            left -= nbytes if fits else 0
+            direct.append(fits)
+    staged = [n for n, d in zip(sizes, direct, strict=True) if not d]
+    return ArenaSplit(tuple(direct), sum(n for n, d in zip(sizes, direct, strict=True) if d),
+                      staging_ring_bytes(max(staged), staging_buffers) if staged else 0)
 
 
 def staging_ring_bytes(largest_pageable_block_bytes: int,
