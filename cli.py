@@ -1,4 +1,9 @@
-"""`h3-multigpu` command line: plan a job, list hardware profiles, submit workflows."""
+"""`h3-multigpu` command line: plan a job, list hardware profiles, submit workflows.
+
+Exit codes of `plan`: 0 the job fits; 3 it does not fit (the report says the smallest change
+that does); 2 the request was refused (a flag or a value is wrong; the message names it and the
+fix). With --json every outcome, refusals included, is one JSON object on stdout.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,17 @@ import json
 import sys
 
 from . import __version__
+
+EXIT_REFUSED = 2
+
+
+class UsageError(Exception):
+    """A flag argparse refused; raised instead of argparse's own exit so --json can answer."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's hook for every bad flag or value
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -44,6 +60,9 @@ def _add_plan_parser(sub) -> None:
                    help="read the DiT's real sizes from this .safetensors header")
     p.add_argument("--dual-sage", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--chunking", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--parallel", choices=["auto", "sequence", "heads", "off"], default="auto",
+                   help="how the GPUs share a step, per pass: auto picks the fastest of "
+                        "sequence parallel, heads (Dual-Sage) and one GPU")
     p.add_argument("--resident-blocks", type=int, default=None)
     p.add_argument("--quantized-attention", action="store_true",
                    help="time attention with an INT8-QK kernel (ck_int8 / triton_sage)")
@@ -53,6 +72,9 @@ def _add_plan_parser(sub) -> None:
 def _run_plan(args) -> int:
     from .planner import PlanRequest, detect_hardware, plan_job
 
+    if args.measure_link and args.profile not in (None, "auto"):
+        raise ValueError(f"--measure-link measures this machine's GPUs, but --profile "
+                         f"{args.profile} plans for built-in numbers; drop one of the two")
     if args.gpus == "auto" or args.profile in (None, "auto"):
         # no profile named: plan for the GPUs of this machine (a clear error when it has none)
         profile = detect_hardware(measure_link=args.measure_link)
@@ -65,7 +87,7 @@ def _run_plan(args) -> int:
                           text_tokens=args.text_tokens, lora_rank=args.lora_rank,
                           dit_dtype=args.dit_dtype, dit_file=args.dit_file,
                           dual_sage=args.dual_sage, chunking=args.chunking,
-                          resident_blocks=args.resident_blocks,
+                          parallel=args.parallel, resident_blocks=args.resident_blocks,
                           quantized_attention=args.quantized_attention)
     plan = plan_job(request)
     if args.json:
@@ -84,9 +106,8 @@ def _run_profiles(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h3-multigpu",
-                                     description="MiniMax H3 on two or more GPUs: planner and "
-                                                 "workflow client.")
+    parser = _Parser(prog="h3-multigpu",
+                     description="MiniMax H3 on two or more GPUs: planner and workflow client.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
@@ -100,9 +121,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse(message: str, as_json: bool, usage: str | None = None, kind: str = "ValueError"
+            ) -> int:
+    if as_json:
+        print(json.dumps({"event": "error", "error": kind, "message": message,
+                          "exit_code": EXIT_REFUSED}))
+    else:
+        if usage:
+            print(usage, file=sys.stderr, end="")
+        print(f"h3-multigpu: error: {message}", file=sys.stderr)
+    return EXIT_REFUSED
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    as_json = "--json" in argv
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        return _refuse(str(exc), as_json, None if as_json else parser.format_usage(),
+                       "UsageError")
     try:
         if args.command == "plan":
             return _run_plan(args)
@@ -113,10 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_submit(args)
     except ValueError as exc:
-        print(f"h3-multigpu: error: {exc}", file=sys.stderr)
-        return 2
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+        return _refuse(str(exc), as_json)
+    return _refuse(f"unknown command {args.command!r}", as_json)
 
 
 if __name__ == "__main__":

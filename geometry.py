@@ -12,6 +12,8 @@ Facts encoded here (see H3_FACTS.md section 3):
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 FPS = 24
@@ -23,6 +25,14 @@ AUDIO_ROWS_PER_STEP = 2  # left channel rows then right channel rows
 MIN_FRAMES = 5
 FRAME_STEP = 17
 MAX_PIXEL_AREA = 768 * 1344  # the native canvas; larger canvases leave the training range
+# Beyond these the job is refused, not planned: upstream's H3 nodes take sides up to 16384 px
+# and lengths up to 3600 frames; a canvas 16x the native area is far past anything trained.
+MAX_CANVAS_SIDE = 16384
+ABSURD_PIXEL_AREA = 16 * MAX_PIXEL_AREA
+TRAINED_FRAMES = (124, 362)  # 5 s .. 15 s
+# the last 17k+5 count within upstream EmptyMiniMaxH3LatentAV's `length` maximum of 3600
+MAX_FRAMES = 3592
+MAX_SECONDS = MAX_FRAMES / FPS  # 149.67 s
 
 # The DiT's widths (full upstream config); bytes per token of the activations that matter for
 # memory, in the compute dtype (bf16 = 2 bytes per element).
@@ -41,16 +51,32 @@ def _nearest_multiple(value: int, multiple: int) -> int:
     return low if value - low < high - value else high  # ties round up: 1296 -> 1312
 
 
+def as_int(value: object, what: str) -> int:
+    """`value` as a Python int when it is an integer of any kind (numpy's too), else raise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
 def validate_canvas(width: int, height: int) -> tuple[int, int]:
-    """Return (width, height) unchanged when H3 accepts them, else raise ValueError.
+    """Return (width, height) as ints when H3 accepts them, else raise ValueError.
 
     The message names the bad value and the nearest valid canvas, e.g. 1296x720 -> 1312x736.
+    Canvases over the native area are accepted (see `canvas_warning`) up to 16x that area.
     """
     for name, value in (("width", width), ("height", height)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"canvas {name} must be an integer number of pixels, got {value!r}")
+        value = as_int(value, f"canvas {name} (pixels)")
         if value <= 0:
             raise ValueError(f"canvas {name} must be positive, got {value}")
+        if value > MAX_CANVAS_SIDE:
+            raise ValueError(f"canvas {name} {value} is larger than H3's nodes take "
+                             f"({MAX_CANVAS_SIDE} px); the native canvas is 1344x768")
+    width, height = int(width), int(height)
+    if width * height > ABSURD_PIXEL_AREA:
+        raise ValueError(f"canvas {width}x{height} is {width * height / MAX_PIXEL_AREA:.1f}x "
+                         f"H3's native area (1344x768), far past anything it was trained on; "
+                         f"use at most {ABSURD_PIXEL_AREA // MAX_PIXEL_AREA}x that area "
+                         f"(e.g. 5376x3072), or 1312x736 upscaled afterwards")
     if width % CANVAS_MULTIPLE or height % CANVAS_MULTIPLE:
         fixed_w = _nearest_multiple(width, CANVAS_MULTIPLE)
         fixed_h = _nearest_multiple(height, CANVAS_MULTIPLE)
@@ -62,25 +88,62 @@ def validate_canvas(width: int, height: int) -> tuple[int, int]:
     return width, height
 
 
+def validate_two_pass(pass1_width: int, pass1_height: int, pass2_width: int,
+                      pass2_height: int) -> None:
+    """Both canvases valid, and PASS2 (which refines the upscaled PASS1) no smaller in a side."""
+    validate_canvas(pass1_width, pass1_height)
+    validate_canvas(pass2_width, pass2_height)
+    if pass2_width < pass1_width or pass2_height < pass1_height:
+        raise ValueError(
+            f"PASS2 {pass2_width}x{pass2_height} is smaller than PASS1 "
+            f"{pass1_width}x{pass1_height}; PASS2 refines the upscaled PASS1 result, so give "
+            f"it the larger canvas (e.g. 864x480 -> 1312x736)")
+
+
+def canvas_warning(width: int, height: int, label: str = "canvas") -> str | None:
+    """A sentence when the canvas is over H3's native area (accepted, but untrained)."""
+    area = width * height
+    if area <= MAX_PIXEL_AREA:
+        return None
+    return (f"{label} {width}x{height} is {area / MAX_PIXEL_AREA:.2f}x H3's native area "
+            f"(1344x768): outside the training range, expect lower quality")
+
+
+def frames_warning(frames: int) -> str | None:
+    """A sentence when the clip is outside H3's trained 124..362 frames (accepted)."""
+    low, high = TRAINED_FRAMES
+    if low <= frames <= high:
+        return None
+    return (f"{frames} frames ({frames / FPS:.1f} s) is outside H3's trained range {low}..{high} "
+            f"frames (5-15 s): expect lower quality")
+
+
 def snap_frames(seconds: float) -> int:
     """Seconds of video at 24 fps -> frame count on H3's 17k+5 grid (rounded up).
 
     5 -> 124, 10 -> 243, 12 -> 294, 15 -> 362.
     """
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds != seconds:
-        raise ValueError(f"duration must be a number of seconds, got {seconds!r}")
+    if not isinstance(seconds, numbers.Real) or isinstance(seconds, bool) \
+            or not math.isfinite(seconds):
+        raise ValueError(f"duration must be a finite number of seconds, got {seconds!r}; use "
+                         f"e.g. 5 (124 frames)")
     if seconds <= 0:
         raise ValueError(f"duration must be positive, got {seconds} s; use e.g. 5 (124 frames)")
+    if seconds > MAX_SECONDS:
+        raise ValueError(f"duration {seconds:g} s is longer than H3's nodes take "
+                         f"({MAX_SECONDS:.1f} s = {MAX_FRAMES} frames); it was trained on 5-15 s")
     n = max(MIN_FRAMES, round(seconds * FPS))
     return n + (MIN_FRAMES - n % FRAME_STEP) % FRAME_STEP
 
 
 def validate_frames(frames: int) -> int:
     """Return frames unchanged when on the 17k+5 grid, else raise naming the nearest valid count."""
-    if not isinstance(frames, int) or isinstance(frames, bool):
-        raise ValueError(f"frame count must be an integer, got {frames!r}")
+    frames = as_int(frames, "frame count")
     if frames < MIN_FRAMES:
         raise ValueError(f"frame count {frames} is too small; the smallest H3 clip is 5 frames")
+    if frames > MAX_FRAMES:
+        raise ValueError(f"frame count {frames} is more than H3's nodes take (at most "
+                         f"{MAX_FRAMES}); it was trained on 124..362 frames (5-15 s)")
     if (frames - MIN_FRAMES) % FRAME_STEP:
         below = frames - (frames - MIN_FRAMES) % FRAME_STEP
         above = below + FRAME_STEP
@@ -99,6 +162,9 @@ def latent_frames(frames: int) -> int:
 
 def audio_latent_steps(frames: int) -> int:
     """Pixel frames -> audio latent length (40 Hz)."""
+    frames = as_int(frames, "frame count")
+    if not 0 <= frames <= MAX_FRAMES:
+        raise ValueError(f"frame count {frames} must be between 0 and {MAX_FRAMES}")
     return round(frames / FPS * AUDIO_LATENT_HZ)
 
 
@@ -116,6 +182,7 @@ def latent_shape(width: int, height: int, frames: int) -> tuple[int, int, int, i
 
 def audio_latent_shape(frames: int) -> tuple[int, int, int, int]:
     """Audio latent [1, 32, 2, T_a]."""
+    validate_frames(frames)
     return (1, 32, AUDIO_ROWS_PER_STEP, audio_latent_steps(frames))
 
 
@@ -138,6 +205,12 @@ def video_audio_tokens(width: int, height: int, frames: int) -> int:
     1312x736 at 362 frames -> 102,107.
     """
     return video_tokens(width, height, frames) + audio_tokens(frames)
+
+
+# a bound for prompt tokens (real prompts take ~100-1000) and the longest sequence a job within
+# the bounds above can make, text included
+MAX_TEXT_TOKENS = 32768
+MAX_SEQUENCE_TOKENS = video_audio_tokens(5376, 3072, MAX_FRAMES) + MAX_TEXT_TOKENS
 
 
 @dataclass(frozen=True)

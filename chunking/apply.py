@@ -52,11 +52,13 @@ def apply_activation_chunking(model_patcher: Any, config: ChunkingConfig) -> Any
             raise ValueError(f"{key} is already patched by {type(existing).__name__}; chunking "
                              f"replaces the block forward, so other features must wrap blocks "
                              f"through block-replace patches or wrappers instead")
-    if config.enabled:
+    heads = getattr(getattr(blocks[0], "attn", None), "heads", None)
+    heads = heads if isinstance(heads, int) else None
+    if config.active_with(heads):
         for index in indices:
             patcher.add_object_patch(f"diffusion_model.blocks.{index}.forward",
                                      ChunkedBlockForward(blocks[index], config))
     options = patcher.model_options.setdefault("transformer_options", {})
     options["h3_multigpu"] = {**options.get("h3_multigpu", {}),
-                              "chunking": config.status(len(blocks))}
+                              "chunking": config.status(len(blocks), heads)}
     return patcher

@@ -89,13 +89,41 @@ class ChunkingConfig:
     def enabled(self) -> bool:
         return any(getattr(self, name) for name in _FIELDS)
 
-    def status(self, block_count: int) -> str:
+    def idle_reasons(self, heads: int | None = None) -> dict[str, str]:
+        """Fields set to a size that can never chunk anything, with why (empty when none).
+
+        A row chunk at least as long as any sequence H3's nodes can make splits no call, and a
+        head group of all the model's heads is one attention call, as without chunking.
+        """
+        from ..geometry import MAX_SEQUENCE_TOKENS
+
+        idle = {}
+        for name in ("ffn_chunk", "qkv_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value >= MAX_SEQUENCE_TOKENS:
+                idle[name] = (f"{value} rows is longer than any H3 sequence "
+                              f"({MAX_SEQUENCE_TOKENS:,} tokens at most)")
+        if heads and isinstance(self.head_group, int) and self.head_group >= heads:
+            idle["head_group"] = f"{self.head_group} heads/call is all {heads} heads"
+        return idle
+
+    def active_with(self, heads: int | None = None) -> bool:
+        """True when some field can chunk a call of a model with `heads` heads."""
+        idle = self.idle_reasons(heads)
+        return any(getattr(self, name) and name not in idle for name in _FIELDS)
+
+    def status(self, block_count: int, heads: int | None = None) -> str:
         """One line for `transformer_options["h3_multigpu"]["chunking"]`."""
         if not self.enabled:
             return "off"
+        idle = self.idle_reasons(heads)
+        if not self.active_with(heads):
+            return f"off: {'; '.join(idle.values())}, so nothing would be chunked"
 
         def show(name: str, unit: str) -> str:
             value = getattr(self, name)
+            if name in idle:
+                return f"off ({idle[name]})"
             return "off" if value == 0 else f"{value}" if value == AUTO else f"{value} {unit}"
 
         where = (f"all {block_count} blocks" if self.blocks is None

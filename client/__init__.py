@@ -15,7 +15,9 @@ from .errors import (
     Problem,
     PromptRejected,
     RunTimeout,
+    ServerProtocolError,
     ServerUnavailable,
+    Terminated,
     WorkflowError,
 )
 from .http import ComfyClient
@@ -33,8 +35,10 @@ __all__ = [
     "Problem",
     "PromptRejected",
     "RunTimeout",
+    "ServerProtocolError",
     "ServerUnavailable",
     "Target",
+    "Terminated",
     "WorkflowError",
     "apply_params",
     "is_api_format",

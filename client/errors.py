@@ -1,8 +1,9 @@
 """Errors raised by the submission client; each message names the value and the fix.
 
 The CLI maps each class to an exit code (see `cli.py`), so scripts can tell a graph that will
-never run (2) from a server that is down (3), a run that failed on the server (1), a timeout
-(124) and a Ctrl-C (130).
+never run (2) from a server that cannot be reached or used (3), a server that answered something
+that is not ComfyUI's API (4), a run that failed on the server (1), a timeout (124), a Ctrl-C
+(130) and a SIGTERM (143).
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ class WorkflowError(ClientError, ValueError):
 
 
 class ServerUnavailable(ClientError):
-    """The server could not be reached, or kept answering 5xx, after every retry."""
+    """The server could not be reached, kept answering 5xx, refused the login or its TLS
+    certificate is not trusted."""
+
+
+class ServerProtocolError(ClientError):
+    """The server answered, but not as ComfyUI does (not JSON, an HTML page, wrong shapes).
+
+    The message names the endpoint and the server; it is the server's fault, not the graph's.
+    """
 
 
 class PromptRejected(ClientError):
@@ -60,7 +69,16 @@ class ExecutionInterrupted(ClientError):
 
 
 class RunTimeout(ClientError):
-    """--timeout passed before the run finished; the prompt was cancelled on the server."""
+    """--timeout passed before the command finished; a queued prompt was cancelled."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout`, CI runners and service managers send): handled like Ctrl-C, so
+    a queued prompt is cancelled, or its id printed with how to cancel it."""
+
+    def __init__(self, signum: int = 15):
+        self.signum = signum
+        super().__init__(f"signal {signum}")
 
 
 class DownloadError(ClientError):

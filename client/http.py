@@ -1,24 +1,27 @@
 """ComfyClient: ComfyUI's HTTP and WebSocket API with retries, reconciliation and downloads.
 
 Rules that keep a user's job safe:
-- connection errors and 5xx are retried with exponential backoff; a 4xx never is (the same
-  request would fail the same way, and a 400 on /prompt carries node_errors to show);
-- POST /prompt sends our own prompt_id, and before any retry the client looks for that id in
-  /queue and /history: a request whose response was lost may have been queued, and posting it
-  again would run the job twice;
-- downloads go to a new file (never overwriting one) and are checked against Content-Length.
+- one `Deadline` bounds the whole command: every request's timeout and backoff is cut to it;
+- GETs are retried on connection errors and 5xx with exponential backoff; a 4xx never is;
+- POST /prompt is sent again only when the server surely did not queue it: the connection was
+  refused (it never got the request), or it answered 5xx and the prompt is in neither /queue nor
+  /history. When the request went out and its answer was lost or late, it is never sent again
+  (a second POST could run the job twice): the client watches /queue and /history for it;
+- the prompt carries our prompt_id and the same id in `extra_data`, so it is found even on a
+  server that assigns its own ids; when the answer names another id, that one is followed;
+- answers are checked for ComfyUI's shapes; anything else is a ServerProtocolError naming the
+  endpoint and the server;
+- downloads go to a new file under a sanitised name (never overwriting one), within a size
+  limit and the deadline, and are checked against Content-Length.
 """
 
 from __future__ import annotations
 
 import http.client
-import json
-import os
-import socket
+import math
+import ssl
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -26,29 +29,39 @@ from typing import Any
 
 import websocket
 
-from .errors import DownloadError, PromptRejected, ServerUnavailable
+from .connection import (
+    AnswerLost,
+    Deadline,
+    HTTPStatus,
+    NotSent,
+    Transport,
+    decode_json,
+    describe,
+    parse_server,
+    tls_context,
+    tls_error,
+)
+from .download import DEFAULT_MAX_DOWNLOAD_BYTES, exclusive_file, safe_file_name
+from .errors import DownloadError, PromptRejected, ServerProtocolError, ServerUnavailable
 
 EventSink = Callable[[dict], None]
-RETRYABLE_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError,
-                    socket.timeout, TimeoutError)
+REQUEST_KEY = "h3_multigpu_prompt_id"  # our prompt_id inside extra_data, found in /queue
+RECENT_HISTORY = 64  # history entries searched for a prompt queued under the server's own id
+
+__all__ = ["ComfyClient", "Deadline", "EventSink", "exclusive_file"]
 
 
-class _HTTPStatus(Exception):
-    def __init__(self, status: int, body: bytes):
-        self.status, self.body = status, body
-        super().__init__(f"HTTP {status}")
-
-    def json(self) -> Any:
-        try:
-            return json.loads(self.body or b"null")
-        except json.JSONDecodeError:
-            return None
+class SkippedOutput(Exception):
+    """An output that cannot be saved here (its name is not a file name)."""
 
 
 class ComfyClient:
     """One ComfyUI server, seen by one client id.
 
     `retries` bounds every retried call; the delay doubles from `backoff_s` up to `max_backoff_s`.
+    `timeout_s` bounds each GET (and each silence within a download); POST /prompt may take
+    `post_timeout_s` (a loaded server validates big graphs slowly), and when it did not answer in
+    time the client waits up to `settle_s` for the prompt to show up rather than re-sending it.
     """
 
     def __init__(
@@ -61,83 +74,120 @@ class ComfyClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         on_event: EventSink | None = None,
+        ca_bundle: str | None = None,
+        insecure: bool = False,
+        post_timeout_s: float = 300.0,
+        settle_s: float = 60.0,
+        max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES,
+        deadline: Deadline | None = None,
     ):
-        if "://" not in server:
-            server = "http://" + server
-        parsed = urllib.parse.urlsplit(server)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"server {server!r} is not an http(s) URL; use e.g. "
-                             f"http://127.0.0.1:8188")
-        self.base_url = server.rstrip("/")
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
+            raise ValueError(f"--retries {retries!r} must be a whole number from 0 to 100")
+        for name, value in (("timeout_s", timeout_s), ("post_timeout_s", post_timeout_s),
+                            ("settle_s", settle_s), ("backoff_s", backoff_s),
+                            ("max_backoff_s", max_backoff_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be a finite number of seconds >= 0")
+        if not (isinstance(max_download_bytes, int) and max_download_bytes > 0):
+            raise ValueError(f"max_download_bytes={max_download_bytes!r} must be > 0")
+        self.server = parse_server(server)
+        self.base_url = self.server.base  # never holds the password
+        self.tls = tls_context(ca_bundle, insecure)
+        self.deadline = deadline or Deadline(None)
         self.client_id = client_id or uuid.uuid4().hex
         self.timeout_s = timeout_s
+        self.post_timeout_s = post_timeout_s
+        self.settle_s = settle_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.max_download_bytes = max_download_bytes
         self.on_event = on_event or (lambda event: None)
 
     # -- plain requests -------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, method=method)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            raise _HTTPStatus(exc.code, exc.read()) from None
+    @property
+    def transport(self) -> Transport:
+        # built per call: tests and _cancel swap `deadline`, and the opener is cheap
+        return Transport(self.server, self.tls, self.deadline)
+
+    def _request(self, method: str, path: str, body: Any = None, *,
+                 timeout: float | None = None) -> tuple[int, bytes, Any]:
+        timeout = self.deadline.cap(timeout or self.timeout_s, f"{method} {path}")
+        return self.transport.request(method, path, body, timeout=timeout)
 
     def delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
 
-    def _retrying(self, what: str, call: Callable[[], Any],
-                  before_retry: Callable[[], Any] | None = None) -> Any:
-        """Run `call`, retrying connection errors and 5xx; `before_retry` may end the loop by
-        returning something other than None (used to reconcile a lost POST)."""
+    def _backoff(self, what: str, attempt: int, error: str) -> None:
+        wait = self.delay(attempt)
+        self.on_event({"event": "retry", "what": what, "attempt": attempt + 1,
+                       "of": self.retries, "error": error, "wait_s": wait})
+        self.deadline.sleep(wait, what)
+
+    def _retrying(self, what: str, call: Callable[[], Any]) -> Any:
+        """Run an idempotent `call`, retrying connection errors, lost answers and 5xx."""
         last = ""
         for attempt in range(self.retries + 1):
             try:
                 return call()
-            except _HTTPStatus as exc:
+            except HTTPStatus as exc:
                 if exc.status < 500:
                     raise
                 last = f"HTTP {exc.status}"
-            except RETRYABLE_ERRORS as exc:
-                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+            except (NotSent, AnswerLost) as exc:
+                last = str(exc)
             if attempt == self.retries:
                 break
-            wait = self.delay(attempt)
-            self.on_event({"event": "retry", "what": what, "attempt": attempt + 1,
-                           "of": self.retries, "error": last, "wait_s": wait})
-            time.sleep(wait)
-            if before_retry is not None:
-                found = before_retry()
-                if found is not None:
-                    return found
+            self._backoff(what, attempt, last)
         raise ServerUnavailable(f"{what} failed after {self.retries + 1} attempts ({last}); is "
                                 f"ComfyUI running at {self.base_url}? Start it or pass --server")
 
-    def get_json(self, path: str) -> Any:
-        def call():
-            return json.loads(self._request("GET", path)[1] or b"null")
+    def _status_error(self, what: str, exc: HTTPStatus) -> Exception:
+        if exc.status == 401:
+            if self.server.auth_header:
+                return ServerUnavailable(f"{what}: {self.base_url} refused the user and password "
+                                         f"given in --server (HTTP 401)")
+            return ServerUnavailable(f"{what}: {self.base_url} asks for a login (HTTP 401); put "
+                                     f"it in --server as https://USER:PASSWORD@host:port")
+        if exc.status == 403:
+            return ServerUnavailable(f"{what}: {self.base_url} refused access (HTTP 403)")
+        if exc.status == 404:
+            return ServerProtocolError(f"{what} is not found at {self.base_url} (HTTP 404); is "
+                                       f"--server a ComfyUI server (with the path prefix of its "
+                                       f"proxy, if any)?")
+        return ServerProtocolError(f"{what} at {self.base_url} answered HTTP {exc.status}")
 
+    def get_json(self, path: str, expect: type | tuple[type, ...] | None = dict) -> Any:
+        what = f"GET {path}"
         try:
-            return self._retrying(f"GET {path}", call)
-        except _HTTPStatus as exc:
-            raise ServerUnavailable(f"GET {path} answered HTTP {exc.status}") from None
+            _, raw, headers = self._retrying(what, lambda: self._request("GET", path))
+        except HTTPStatus as exc:
+            raise self._status_error(what, exc) from None
+        return decode_json(raw, headers, what, self.base_url, expect)
 
     def post_json(self, path: str, body: Any) -> int:
+        """POST an idempotent request (interrupt, queue delete); return the HTTP status."""
         try:
             return self._retrying(f"POST {path}", lambda: self._request("POST", path, body)[0])
-        except _HTTPStatus as exc:
+        except HTTPStatus as exc:
             return exc.status
 
     # -- the API --------------------------------------------------------------------------
 
     def object_info(self) -> dict:
-        return self.get_json("/object_info")
+        """Every node class the server has, checked for the shapes the graph checks read."""
+        info = self.get_json("/object_info")
+        for class_type, entry in info.items():
+            inputs = entry.get("input", {}) if isinstance(entry, dict) else None
+            sections = list(inputs.values()) if isinstance(inputs, dict) else [None]
+            if not (all(isinstance(section, dict) for section in sections)
+                    and isinstance(entry.get("output", []), list)
+                    and isinstance(entry.get("input_order", {}), dict)):
+                raise ServerProtocolError(
+                    f"GET /object_info at {self.base_url}: node class {class_type!r} is "
+                    f"described as {entry!r:.80}, not as ComfyUI describes node classes")
+        return info
 
     def system_stats(self) -> dict:
         return self.get_json("/system_stats")
@@ -145,43 +195,140 @@ class ComfyClient:
     def queue(self) -> dict:
         return self.get_json("/queue")
 
+    def queue_entries(self) -> list[tuple[str, str, dict]]:
+        """(state, prompt_id, extra_data) of every queued prompt, checked for /queue's shape."""
+        answer, entries = self.queue(), []
+        for state, key in (("running", "queue_running"), ("pending", "queue_pending")):
+            items = answer.get(key, [])
+            if not isinstance(items, list):
+                raise ServerProtocolError(f"GET /queue at {self.base_url}: '{key}' is not a list "
+                                          f"({items!r:.60}); is --server a ComfyUI server?")
+            for item in items:
+                if not (isinstance(item, list) and len(item) > 1 and isinstance(item[1], str)):
+                    raise ServerProtocolError(
+                        f"GET /queue at {self.base_url}: an entry of '{key}' is {item!r:.60}, not "
+                        f"[number, prompt_id, prompt, extra_data, outputs]")
+                extra = item[3] if len(item) > 3 and isinstance(item[3], dict) else {}
+                entries.append((state, item[1], extra))
+        return entries
+
     def history(self, prompt_id: str) -> dict | None:
         """The history entry of `prompt_id`, or None while it has none."""
-        return (self.get_json(f"/history/{urllib.parse.quote(prompt_id)}") or {}).get(prompt_id)
+        path = f"/history/{urllib.parse.quote(prompt_id, safe='')}"
+        entry = self.get_json(path).get(prompt_id)
+        if entry is not None and not isinstance(entry, dict):
+            raise ServerProtocolError(f"GET {path} at {self.base_url}: the entry is "
+                                      f"{entry!r:.60}, not an object")
+        return entry
+
+    def _recent_history_id(self, prompt_id: str) -> str | None:
+        """The server's id of the history entry that carries our id in its extra_data."""
+        recent = self.get_json(f"/history?max_items={RECENT_HISTORY}")
+        for server_id, entry in recent.items():
+            prompt = entry.get("prompt") if isinstance(entry, dict) else None
+            extra = prompt[3] if isinstance(prompt, list) and len(prompt) > 3 else None
+            if isinstance(extra, dict) and extra.get(REQUEST_KEY) == prompt_id:
+                return str(server_id)
+        return None
+
+    def find(self, prompt_id: str, server_id: str | None = None) -> tuple[str, str] | None:
+        """(where, the server's id) of our prompt: "running", "pending", "history"; or None.
+
+        Matches our id, the id the server answered, or our id in the entry's extra_data (a
+        server that assigns its own ids keeps extra_data as sent).
+        """
+        ids = {prompt_id, server_id} - {None}
+        for state, queued_id, extra in self.queue_entries():
+            if queued_id in ids or extra.get(REQUEST_KEY) == prompt_id:
+                return state, queued_id
+        for known in ids:
+            if self.history(known) is not None:
+                return "history", known
+        found = self._recent_history_id(prompt_id)
+        return None if found is None else ("history", found)
 
     def locate(self, prompt_id: str) -> str | None:
         """Where the server holds `prompt_id`: "running", "pending", "history" or None."""
-        queue = self.queue()
-        for state, key in (("running", "queue_running"), ("pending", "queue_pending")):
-            if any(len(item) > 1 and item[1] == prompt_id for item in queue.get(key, [])):
-                return state
-        return "history" if self.history(prompt_id) is not None else None
+        found = self.find(prompt_id)
+        return None if found is None else found[0]
 
     def post_prompt(self, prompt: dict, prompt_id: str, extra_data: dict | None = None) -> dict:
-        """Queue `prompt` under `prompt_id` exactly once; return the server's answer.
+        """Queue `prompt` under `prompt_id` at most once; return the server's answer.
 
-        Raises PromptRejected on HTTP 400 (with the node_errors formatted by the caller).
+        The answer's `prompt_id` is the server's (it may differ from ours). Raises PromptRejected
+        on HTTP 400 (with the node_errors formatted by the caller).
         """
+        what = "POST /prompt"
         body = {"prompt": prompt, "client_id": self.client_id, "prompt_id": prompt_id,
-                "extra_data": extra_data or {}}
+                "extra_data": {**(extra_data or {}), REQUEST_KEY: prompt_id}}
+        last = ""
+        for attempt in range(self.retries + 1):
+            try:
+                _, raw, headers = self._request("POST", "/prompt", body,
+                                                timeout=self.post_timeout_s)
+            except NotSent as exc:  # it never reached the server: sending again is safe
+                last = str(exc)
+            except AnswerLost as exc:
+                return self._await_queued(prompt_id, f"{what} got no answer ({exc})")
+            except HTTPStatus as exc:
+                if exc.status == 400:
+                    answer = exc.json()
+                    raise PromptRejected(f"the server refused the prompt (HTTP {exc.status})",
+                                         answer if isinstance(answer, dict) else {}) from None
+                if exc.status == 504:  # a gateway gave up waiting: ComfyUI may still queue it
+                    return self._await_queued(prompt_id, f"{what} answered HTTP {exc.status}")
+                if exc.status < 500:
+                    raise self._status_error(what, exc) from None
+                last = f"HTTP {exc.status}"
+                # a 5xx may come after the prompt was queued: look before sending it again
+                found = self.find(prompt_id)
+                if found is not None:
+                    return self._reconciled(prompt_id, found)
+            else:
+                return self._checked_answer(raw, headers, prompt_id)
+            if attempt == self.retries:
+                break
+            self._backoff(what, attempt, last)
+        raise ServerUnavailable(f"{what} failed after {self.retries + 1} attempts ({last}); "
+                                f"nothing was queued. Is ComfyUI running at {self.base_url}?")
 
-        def call():
-            return json.loads(self._request("POST", "/prompt", body)[1])
+    def _checked_answer(self, raw: bytes, headers: Any, prompt_id: str) -> dict:
+        answer = decode_json(raw, headers, "POST /prompt", self.base_url, dict)
+        their = answer.get("prompt_id")
+        if not isinstance(their, str) or not their:
+            raise ServerProtocolError(f"POST /prompt at {self.base_url} answered without a "
+                                      f"prompt_id ({answer!r:.80}); is --server a ComfyUI "
+                                      f"server?")
+        if not isinstance(answer.get("node_errors"), dict):
+            answer["node_errors"] = {}
+        if their != prompt_id:
+            self.on_event({"event": "warning", "message": f"the server queued the prompt as "
+                           f"{their} (it ignores the client's id {prompt_id}); following {their}"})
+        return answer
 
-        def reconcile():
-            where = self.locate(prompt_id)
-            if where is None:
-                return None
-            self.on_event({"event": "reconciled", "prompt_id": prompt_id, "found_in": where})
-            return {"prompt_id": prompt_id, "number": None, "node_errors": {},
-                    "reconciled": where}
+    def _reconciled(self, prompt_id: str, found: tuple[str, str]) -> dict:
+        where, server_id = found
+        self.on_event({"event": "reconciled", "prompt_id": server_id, "found_in": where})
+        return {"prompt_id": server_id, "number": None, "node_errors": {}, "reconciled": where}
 
-        try:
-            return self._retrying("POST /prompt", call, before_retry=reconcile)
-        except _HTTPStatus as exc:
-            answer = exc.json() if isinstance(exc.json(), dict) else {}
-            raise PromptRejected(f"the server refused the prompt (HTTP {exc.status})",
-                                 answer) from None
+    def _await_queued(self, prompt_id: str, reason: str) -> dict:
+        """The POST went out but its answer did not come back: find the prompt, never re-send."""
+        self.on_event({"event": "post_unanswered", "prompt_id": prompt_id, "reason": reason})
+        limit = time.monotonic() + self.settle_s
+        delay = 0.1
+        while True:
+            found = self.find(prompt_id)
+            if found is not None:
+                return self._reconciled(prompt_id, found)
+            left = limit - time.monotonic()
+            if left <= 0:
+                raise ServerUnavailable(
+                    f"{reason}, and prompt {prompt_id} has not appeared in the queue or history "
+                    f"of {self.base_url} within {self.settle_s:g} s. It was not sent again (that "
+                    f"could run it twice). If it shows up later, it was queued after all: see "
+                    f"{self.base_url}/history/{prompt_id} or remove it from the ComfyUI queue")
+            self.deadline.sleep(min(delay, left), f"waiting for prompt {prompt_id} to appear")
+            delay = min(2.0, delay * 2)
 
     def interrupt(self, prompt_id: str) -> int:
         # Servers that know `prompt_id` interrupt only that prompt; the caller checks that the
@@ -192,92 +339,107 @@ class ComfyClient:
         return self.post_json("/queue", {"delete": [prompt_id]})
 
     def ws_url(self) -> str:
-        parsed = urllib.parse.urlsplit(self.base_url)
-        scheme = "wss" if parsed.scheme == "https" else "ws"
-        path = parsed.path.rstrip("/") + "/ws?clientId=" + urllib.parse.quote(self.client_id)
-        return f"{scheme}://{parsed.netloc}{path}"
+        scheme = "wss" if self.server.scheme == "https" else "ws"
+        query = "/ws?clientId=" + urllib.parse.quote(self.client_id)
+        return f"{scheme}://{self.server.netloc}{self.server.path}{query}"
 
     def open_ws(self, recv_timeout_s: float = 0.5) -> websocket.WebSocket:
         """Connect the WebSocket under our client id (retrying like HTTP)."""
+        header = [f"Authorization: {self.server.auth_header}"] if self.server.auth_header else None
+        sslopt = {"context": self.tls} if self.server.scheme == "https" else None
 
         def call():
+            timeout = self.deadline.cap(self.timeout_s, "connecting the WebSocket")
             try:
-                ws = websocket.create_connection(self.ws_url(), timeout=self.timeout_s)
+                ws = websocket.create_connection(self.ws_url(), timeout=timeout, header=header,
+                                                 sslopt=sslopt)
             except websocket.WebSocketBadStatusException as exc:
-                raise _HTTPStatus(exc.status_code, b"") from None
-            except websocket.WebSocketException as exc:
-                raise ConnectionError(str(exc)) from None
+                raise HTTPStatus(exc.status_code, b"") from None
+            except ssl.SSLError as exc:
+                raise tls_error(self.base_url, exc) from None
+            except (websocket.WebSocketException, OSError) as exc:
+                raise NotSent(describe(exc)) from None
             ws.settimeout(recv_timeout_s)
             return ws
 
         try:
             return self._retrying("WebSocket /ws", call)
-        except _HTTPStatus as exc:
-            raise ServerUnavailable(f"WebSocket /ws answered HTTP {exc.status}") from None
+        except HTTPStatus as exc:
+            raise self._status_error("WebSocket /ws", exc) from None
 
     # -- downloads ------------------------------------------------------------------------
 
+    @staticmethod
+    def view_path(ref: dict) -> str:
+        query = urllib.parse.urlencode({"filename": str(ref.get("filename")),
+                                        "subfolder": str(ref.get("subfolder") or ""),
+                                        "type": str(ref.get("type") or "output")})
+        return f"/view?{query}"
+
     def view_url(self, ref: dict) -> str:
-        query = urllib.parse.urlencode({"filename": ref["filename"],
-                                        "subfolder": ref.get("subfolder", ""),
-                                        "type": ref.get("type", "output")})
-        return f"{self.base_url}/view?{query}"
+        return self.base_url + self.view_path(ref)
 
     def download(self, ref: dict, out_dir: Path) -> Path:
-        """Download one output into `out_dir` under a name no existing file has; return it."""
+        """Download one output into `out_dir` under a name no existing file has; return it.
+
+        Raises SkippedOutput (its name cannot be a file name), DownloadError (after retries,
+        or at once when it is over the size limit), RunTimeout (the deadline).
+        """
+        name, why = safe_file_name(ref.get("filename"))
+        if name is None:
+            raise SkippedOutput(why)
         last = ""
         for attempt in range(self.retries + 1):
             try:
-                return self._download_once(ref, out_dir)
-            except _HTTPStatus as exc:
+                return self._download_once(ref, name, out_dir)
+            except HTTPStatus as exc:
                 if exc.status < 500:
                     raise DownloadError(f"{self.view_url(ref)} answered HTTP {exc.status}"
                                         ) from None
                 last = f"HTTP {exc.status}"
-            except (*RETRYABLE_ERRORS, DownloadError) as exc:
+            except (NotSent, AnswerLost) as exc:
                 last = str(exc)
             if attempt < self.retries:
-                self.on_event({"event": "retry", "what": f"download {ref['filename']}",
-                               "attempt": attempt + 1, "of": self.retries, "error": last,
-                               "wait_s": self.delay(attempt)})
-                time.sleep(self.delay(attempt))
-        raise DownloadError(f"could not download {ref['filename']} ({last}); it is still on the "
-                            f"server: {self.view_url(ref)}")
+                self._backoff(f"download {name}", attempt, last)
+        raise DownloadError(f"could not download {name} ({last}); it is still on the server: "
+                            f"{self.view_url(ref)}")
 
-    def _download_once(self, ref: dict, out_dir: Path) -> Path:
-        try:
-            response = urllib.request.urlopen(self.view_url(ref), timeout=self.timeout_s)
-        except urllib.error.HTTPError as exc:
-            raise _HTTPStatus(exc.code, b"") from None
+    def _download_once(self, ref: dict, name: str, out_dir: Path) -> Path:
+        doing = f"downloading {name}"
+        limit = self.max_download_bytes
+        response = self.transport.open("GET", self.view_path(ref),
+                                        timeout=self.deadline.cap(self.timeout_s, doing))
         with response:
-            expected = response.headers.get("Content-Length")
-            path, handle = exclusive_file(out_dir, Path(ref["filename"]).name)
+            try:
+                expected = int(response.headers.get("Content-Length"))
+            except (TypeError, ValueError):
+                expected = None
+            if expected is not None and expected > limit:
+                raise DownloadError(f"{name} is {expected:,} bytes, over the download limit of "
+                                    f"{limit:,} (raise it with --max-download); it is still on "
+                                    f"the server: {self.view_url(ref)}")
+            path, handle = exclusive_file(out_dir, name)
             written = 0
             try:
                 with handle:
-                    while chunk := response.read(1 << 20):
-                        handle.write(chunk)
+                    while True:
+                        self.deadline.check(doing)
+                        try:
+                            chunk = response.read(1 << 20)
+                        except (OSError, http.client.HTTPException) as exc:
+                            raise AnswerLost(describe(exc)) from None
+                        if not chunk:
+                            break
                         written += len(chunk)
-                if expected is not None and written != int(expected):
-                    raise DownloadError(f"{ref['filename']}: got {written} of {expected} bytes")
+                        if written > limit:
+                            raise DownloadError(
+                                f"{name} sent more than the download limit of {limit:,} bytes "
+                                f"and was stopped (raise it with --max-download); it is on the "
+                                f"server: {self.view_url(ref)}")
+                        handle.write(chunk)
+                if expected is not None and written != expected:
+                    raise AnswerLost(f"{name}: got {written} of {expected} bytes")
             except BaseException:
                 path.unlink(missing_ok=True)  # never leave a truncated video behind
                 raise
         return path
-
-
-def exclusive_file(out_dir: Path, name: str, limit: int = 10_000):
-    """Open a new file `name`, or `stem_1.ext`, `stem_2.ext`...; never an existing one.
-
-    Opening with O_EXCL makes the check and the creation one step, so two runs writing to the
-    same folder cannot pick the same name.
-    """
-    stem, suffix = os.path.splitext(name)
-    for index in range(limit):
-        candidate = out_dir / (name if index == 0 else f"{stem}_{index}{suffix}")
-        try:
-            return candidate, open(candidate, "xb")
-        except FileExistsError:
-            continue
-    raise DownloadError(f"{out_dir} already holds {limit} files named like {name}; pick another "
-                        f"--out folder")

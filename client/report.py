@@ -19,21 +19,32 @@ def _short(value: Any) -> str:
 
 def format_rejection(answer: dict, prompt: ApiPrompt,
                      headline: str = "the server refused the prompt") -> str:
-    """A 400 from POST /prompt: the error, then each node's errors under its title."""
+    """A 400 from POST /prompt: the error, then each node's errors under its title.
+
+    Tolerates any JSON shape: what cannot be read is shown as it came.
+    """
+    answer = answer if isinstance(answer, dict) else {}
     error = answer.get("error") or {}
+    node_errors = answer.get("node_errors")
+    node_errors = node_errors if isinstance(node_errors, dict) else {}
     if isinstance(error, dict):
-        head = error.get("message") or error.get("type") or "prompt rejected"
+        head = str(error.get("message") or error.get("type") or "prompt rejected")
         details = error.get("details")
-        if details and not answer.get("node_errors"):
+        if details and not node_errors:
             head += f": {details}"
     else:
         head = str(error)
     lines = [f"{headline}: {head}"]
-    for node_id, node_error in (answer.get("node_errors") or {}).items():
+    for node_id, node_error in node_errors.items():
+        node_error = node_error if isinstance(node_error, dict) else {"errors": [node_error]}
         where = describe_node(prompt, str(node_id)) if str(node_id) in prompt else (
             f"node #{node_id} ({node_error.get('class_type', '?')})")
         lines.append(f"  {where}:")
-        for item in node_error.get("errors") or []:
+        errors = node_error.get("errors")
+        for item in errors if isinstance(errors, list) else [errors]:
+            if not isinstance(item, dict):
+                lines.append(f"    - {_short(item)}")
+                continue
             message = item.get("message", "error")
             details = item.get("details")
             lines.append(f"    - {message}" + (f": {details}" if details else ""))
@@ -45,7 +56,8 @@ def format_execution_error(data: dict, prompt: ApiPrompt) -> str:
     node_id = str(data.get("node_id"))
     lines = [
         f"{describe_node(prompt, node_id)} failed: "
-        f"{data.get('exception_type', 'Exception')}: {data.get('exception_message', '').strip()}"
+        f"{data.get('exception_type', 'Exception')}: "
+        f"{str(data.get('exception_message', '')).strip()}"
     ]
     inputs = (prompt.get(node_id) or {}).get("inputs") or {}
     values = {k: v for k, v in inputs.items() if not isinstance(v, list)}
@@ -55,10 +67,16 @@ def format_execution_error(data: dict, prompt: ApiPrompt) -> str:
     if isinstance(current, dict) and current:
         lines.append("  values seen by the node: "
                      + ", ".join(f"{k}={_short(v)}" for k, v in current.items()))
-    traceback = [line.rstrip() for line in data.get("traceback") or [] if line.strip()]
-    if traceback:
+    traceback = data.get("traceback") or []
+    if isinstance(traceback, str):  # one string instead of ComfyUI's list of lines
+        traceback = traceback.splitlines()
+    elif not isinstance(traceback, list):
+        traceback = [str(traceback)]
+    lines_tb = [line.rstrip() for item in traceback for line in str(item).splitlines()
+                if line.strip()]
+    if lines_tb:
         lines.append("  traceback (last lines):")
-        lines += [f"    {line}" for line in traceback[-3:]]
+        lines += [f"    {line}" for line in lines_tb[-3:]]
     return "\n".join(lines)
 
 
@@ -145,5 +163,10 @@ class TextReporter:
             self._line("finished; waiting for the server to record the outputs")
         elif kind == "downloaded":
             self._line(f"saved {event['path']} ({event['bytes']} bytes)")
+        elif kind == "skipped":
+            self._line(f"skipped an output of node #{event['node']}: {event['reason']}")
+        elif kind == "post_unanswered":
+            self._line(f"{event['reason']}; not sending it again: looking for prompt "
+                       f"{event['prompt_id']} in the server's queue and history")
         elif kind == "warning":
             self._line(f"warning: {event['message']}")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
 from ..kernels import backend_names
 from . import sizing
@@ -87,6 +88,13 @@ class DualSageConfig:
                                  "of tokens, e.g. 8192")
         else:
             tokens = int(min_tokens)
+        # Parse the split now, for H3's heads and the named helpers (or as many devices as it
+        # has entries), so a typo is refused when the node is validated, not when it runs.
+        if not isinstance(split, str):
+            raise ValueError(f"head split {split!r} must be text such as '28:28' or 'auto'")
+        if split.strip().lower() not in ("auto", ""):
+            entries = len(split.replace(",", ":").split(":"))
+            parse_split(split, cls.heads, 1 + len(devices) if devices else max(2, entries))
         return cls(helpers=None if devices is None else tuple(str(d) for d in devices),
                    split=split, backend=backend.strip(), min_tokens=tokens, transport=transport)
 
@@ -159,6 +167,10 @@ class DualSageOverride:
             **kwargs: Any) -> Any:
         """Shard when the call is H3's `[1, H, S, D]` unmasked attention, else `func`."""
         q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+        if not heads_allowed(kwargs.get("transformer_options")):
+            # this step runs sequence-parallel (the call is already one GPU's head share) or on
+            # one GPU: ComfyUI's function, unchanged
+            return func(q, k, v, heads, *args, **kwargs)
         shardable = (not args and kwargs.get("mask") is None and kwargs.get("skip_reshape")
                      and q.dim() == 4 and q.shape[1] == heads and q.shape == k.shape == v.shape)
         if not shardable:

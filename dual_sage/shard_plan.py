@@ -8,6 +8,7 @@ head-group call from activation chunking): then a device may get zero heads for 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,10 @@ def parse_split(text: str, heads: int, devices: int) -> tuple[int, ...]:
     except ValueError:
         raise ValueError(f"head split {text!r} is not a list of numbers; write it like "
                          f"'{heads // devices}:{heads - heads // devices}' or 'auto'") from None
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"head split {text!r} holds a value that is not a finite number; write "
+                         f"head counts like '{heads // devices}:{heads - heads // devices}' or "
+                         f"'auto'")
     if len(values) != devices:
         raise ValueError(f"head split {text!r} has {len(values)} entries for {devices} devices "
                          f"(root first, then each helper); give one entry per device")

@@ -27,6 +27,7 @@ NODE_IDS = (
     "H3MultiGPUSageAttention",
     "H3MultiGPUUpscalerDevice",
     "H3MultiGPUKeyframesToSize",
+    "H3MultiGPUVideoDecode",
 )
 
 

@@ -49,11 +49,19 @@ def prefetch_config(*, resident_blocks: str, lookahead: str | int = 2,
                       pinned_budget_bytes=parse_bytes(pinned_budget, "pinned_budget"))
 
 
+def sequence_config(*, parallel: str = "auto", helpers: str = "auto", split: str = "auto"):
+    (config_cls,) = _load("sequence", "SequenceParallelConfig")
+    names = None if helpers.strip().lower() in ("", "auto") else tuple(
+        p.strip() for p in helpers.split(",") if p.strip())
+    return config_cls(parallel=parallel, helpers=names, split=split)
+
+
 CONFIGS = {"dual_sage": dual_sage_config, "chunking": chunking_config,
-           "prefetch": prefetch_config}
+           "prefetch": prefetch_config, "sequence": sequence_config}
 APPLY = {"dual_sage": ("dual_sage", "apply_dual_sage"),
          "chunking": ("chunking", "apply_activation_chunking"),
-         "prefetch": ("offload", "apply_block_prefetch")}
+         "prefetch": ("offload", "apply_block_prefetch"),
+         "sequence": ("sequence", "apply_sequence_parallel")}
 
 
 def check_options(feature: str, **options) -> str | None:
@@ -90,6 +98,9 @@ def _plan_config(feature: str, plan: Any, options: dict[str, str]) -> Any:
         (config_cls,) = _load(*module)
         if hasattr(config_cls, "from_plan"):
             return config_cls.from_plan(getattr(plan, feature))
+    if feature == "sequence":
+        (from_plan,) = _load("sequence", "config_from_plan")
+        return from_plan(plan, parallel=options["parallel"])
     return CONFIGS[feature](**options)
 
 
@@ -122,16 +133,29 @@ def plan_feature_strings(plan: Any) -> dict[str, dict[str, str] | str]:
                            "pinned_budget": str(pre.pinned_budget_bytes)}
     else:
         out["prefetch"] = f"off: {pre.reason}"
+    parallel = getattr(plan, "parallel", None)
+    if parallel is not None and parallel.sequence_used:
+        out["sequence"] = {"parallel": "sequence" if parallel.requested == "sequence" else "auto",
+                           "helpers": ",".join(f"gpu:{i}" for i in plan.helper_devices),
+                           "split": ":".join(f"{w:g}" for w in parallel.row_weights)}
+    elif parallel is not None:
+        why = "; ".join(f"{n.upper()} {p.mode}: {p.reason}" for n, p in parallel.passes.items())
+        out["sequence"] = f"off: {why}"
     return out
 
 
 def apply_plan(model: Any, plan: Any, placement: Placement,
                disabled: tuple[str, ...] = ()) -> tuple[Any, dict[str, str]]:
-    """Apply every feature the plan enables; return the model and one line per feature."""
+    """Apply every feature the plan enables; return the model and one line per feature.
+
+    Order: Dual-Sage, chunking, prefetch, then the sequence mode, whose block patches wrap the
+    prefetcher's and which decides per step whether Dual-Sage or it runs.
+    """
     lines: dict[str, str] = {}
     wanted = plan_feature_strings(plan)
-    if not placement.multi_gpu and isinstance(wanted.get("dual_sage"), dict):
-        wanted["dual_sage"] = "off: only one GPU is in use here"
+    for name in ("dual_sage", "sequence"):
+        if not placement.multi_gpu and isinstance(wanted.get(name), dict):
+            wanted[name] = "off: only one GPU is in use here"
     for name, options in wanted.items():
         if name in disabled:
             lines[name] = "off: switched off on the node"
@@ -148,3 +172,27 @@ def apply_plan(model: Any, plan: Any, placement: Placement,
         if name not in lines or lines[name].startswith("applied"):
             lines[name] = line  # the library's own words win for what it applied
     return model, lines
+
+
+def apply_decode_plan(vae: Any, plan: Any, vae_gpu: int | None) -> tuple[Any, str]:
+    """The plan's video-decode decision carried out on the placed video VAE (on gpu:vae_gpu):
+    the VAE patched to share its windows with the plan's other decode GPUs, or unchanged with
+    the reason it decodes on one GPU."""
+    decision = getattr(plan, "decode", None)
+    if decision is None:
+        return vae, "NOT ACTIVE: no plan"
+    if not decision.multi or vae_gpu is None:
+        return vae, f"off: {decision.describe()}"
+    helpers = [g for g in decision.devices if g != vae_gpu]
+    gpus = getattr(getattr(plan, "profile", None), "gpus", ())
+    speeds = None
+    if all(0 <= g < len(gpus) for g in (vae_gpu, *helpers)):
+        speeds = tuple(gpus[g].matmul_tflops for g in (vae_gpu, *helpers))
+    try:
+        config_cls, apply = _load("decode", "MultiGPUDecodeConfig", "apply_multi_gpu_decode")
+        config = config_cls(helpers=tuple(f"cuda:{g}" for g in helpers), shares=speeds,
+                            make_room=decision.make_room)
+        patched, line = apply(vae, config)
+    except (FeatureUnavailable, ValueError) as exc:
+        return vae, f"NOT ACTIVE: {exc}"
+    return patched, f"{line}; plan: {decision.describe()}"

@@ -29,10 +29,10 @@ def check_two_pass(pass1_width: int, pass1_height: int, pass2_width: int, pass2_
                     check_canvas(pass2_width, pass2_height, "PASS2")):
         if message:
             return message
-    if pass2_width < pass1_width or pass2_height < pass1_height:
-        return (f"PASS2 {pass2_width}x{pass2_height} is smaller than PASS1 "
-                f"{pass1_width}x{pass1_height}; PASS2 refines the upscaled PASS1 result, so give "
-                f"it the larger canvas (e.g. 864x480 -> 1312x736)")
+    try:
+        geometry.validate_two_pass(pass1_width, pass1_height, pass2_width, pass2_height)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -91,6 +91,7 @@ def check_auto_int(text: str, name: str, minimum: int = 0) -> str | None:
     return None
 
 
+MAX_BYTES = 2**50  # 1 PiB: a bound that keeps byte counts finite integers
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -111,8 +112,11 @@ def parse_bytes(text: str | int, name: str) -> int | None:
             value = -1.0
         if unit not in _UNITS:
             value = -1.0
-    if value < 0:
+    if not value >= 0:  # also NaN
         raise ValueError(f"{name}={text!r} is not 'auto' or a size such as '24GiB'")
+    if value * _UNITS[unit] > MAX_BYTES:  # also inf ('1e400')
+        raise ValueError(f"{name}={text!r} is more than any machine's memory (over 1 PiB); "
+                         f"give a size such as '24GiB' or 'auto'")
     return int(value * _UNITS[unit])
 
 

@@ -19,7 +19,7 @@ def profiles() -> list[str]:
 
 
 def make_plan(*, pass2_width: int, pass2_height: int, pass1_width: int, pass1_height: int,
-              seconds: float, devices: str, lora_rank: int) -> Any:
+              seconds: float, devices: str, lora_rank: int, parallel: str = "auto") -> Any:
     """plan_job for the two-pass job; ValueError for bad input, PlannerUnavailable if absent."""
     try:
         from ..planner import PlanRequest, plan_job
@@ -27,5 +27,5 @@ def make_plan(*, pass2_width: int, pass2_height: int, pass1_width: int, pass1_he
         raise PlannerUnavailable(f"the planner is not importable ({exc})") from exc
     request = PlanRequest(width=pass2_width, height=pass2_height, seconds=seconds,
                           pass1_width=pass1_width, pass1_height=pass1_height,
-                          profile=devices, lora_rank=lora_rank)
+                          profile=devices, lora_rank=lora_rank, parallel=parallel)
     return plan_job(request)

@@ -14,7 +14,7 @@ from .devices import GiB
 from .placement import Placement
 
 STATUS_KEY = "h3_multigpu"  # transformer_options key every apply_* writes its line under
-FEATURES = ("dual_sage", "chunking", "prefetch", "attention")
+FEATURES = ("sequence", "dual_sage", "chunking", "prefetch", "attention")
 
 
 def feature_lines(model_options: dict[str, Any] | None) -> dict[str, str]:

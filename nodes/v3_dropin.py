@@ -12,11 +12,11 @@ from comfy_api.latest import io
 
 from .comfy_types import CATEGORY, LatentUpscaleModel, Plan, preview_text
 from .devices import gpu_inventory, parse_device
-from .features import apply_plan
+from .features import apply_decode_plan, apply_plan
 from .placement import Placement, decide_placement, placement_from_plan
 from .planning import PlannerUnavailable, make_plan
 from .status import FEATURES, compose_status
-from .v3_plan import check_sizes, size_inputs
+from .v3_plan import check_sizes, parallel_input, size_inputs
 
 
 def _component_inputs() -> list:
@@ -83,6 +83,8 @@ def run_dropin(model, clip, vae, audio_vae, latent_upscale_model, plan, sizes: d
         model, lines = apply_plan(model, plan, placement, disabled)
     else:
         lines = {name: "NOT ACTIVE: no plan" for name in FEATURES if name != "attention"}
+    if placement.root is not None:  # the video VAE sits on the helper: share its decode
+        vae, lines["decode"] = apply_decode_plan(vae, plan, placement.helper)
     status = compose_status(placement=placement, plan=plan, features=lines,
                             component_notes=notes, extra=extra)
     return model, clip, vae, audio_vae, latent_upscale_model, plan, status, placement
@@ -117,6 +119,10 @@ class H3MultiGPU(io.ComfyNode):
                      devices=devices, lora_rank=lora_rank)
         disabled = tuple(f for f in ("dual_sage", "chunking", "prefetch")
                          if advanced.get(f) == "off")
+        parallel = advanced.get("parallel", "auto")
+        if plan is None:
+            sizes["parallel"] = parallel
+        disabled += {"off": ("dual_sage", "sequence"), "heads": ("sequence",)}.get(parallel, ())
         *outputs, status, _ = run_dropin(
             model, clip, vae, audio_vae, latent_upscale_model, plan, sizes,
             root_gpu=advanced.get("root_gpu", "auto"),
@@ -139,6 +145,7 @@ class H3MultiGPUAdvanced(H3MultiGPU):
             *(io.Combo.Input(name, options=["plan", "off"], default="plan",
                              tooltip=f"'off' leaves {name} out whatever the plan says.")
               for name in ("dual_sage", "chunking", "prefetch")),
+            parallel_input(),
         ]
         return schema
 

@@ -41,6 +41,17 @@ def size_inputs() -> list:
     ]
 
 
+PARALLEL_TIP = ("How the GPUs share each sampling step: 'auto' picks per pass the fastest of "
+                "sequence parallel (every GPU runs every block on part of the tokens), heads "
+                "(Dual-Sage: attention heads split) and one GPU, by predicted time; or force "
+                "one. All are exact.")
+
+
+def parallel_input():
+    return io.Combo.Input("parallel", options=["auto", "sequence", "heads", "off"],
+                          default="auto", optional=True, tooltip=PARALLEL_TIP)
+
+
 def check_sizes(pass2_width=None, pass2_height=None, pass1_width=None, pass1_height=None,
                 seconds=None, devices=None, lora_rank=None) -> str | bool:
     """validate_inputs body: linked inputs arrive as None and are checked when they run."""

@@ -114,6 +114,10 @@ def _block_patch(prefetch: BlockPrefetch, block_id: str, previous: Callable | No
             return prefetch.run(block_id, lambda: previous(args, extra))
         return prefetch.run(block_id, lambda: extra["original_block"](args))
 
+    # it only brackets the block with weight copies and never reads the residual stream: the
+    # sequence mode keeps its rows split across it (and finds the patches chained inside it)
+    patch.h3_multigpu_transparent = True  # type: ignore[attr-defined]
+    patch.h3_multigpu_previous = previous  # type: ignore[attr-defined]
     return patch
 
 

@@ -80,28 +80,50 @@ _DTYPE_BYTES = {
 
 
 def read_safetensors_tensor_bytes(path: str | Path) -> dict[str, int]:
-    """{tensor name: bytes} from a safetensors header, reading only the header."""
+    """{tensor name: bytes} from a safetensors header, reading only the header.
+
+    Every refusal names the file: a missing path, a directory, an unreadable file, or a header
+    that is not safetensors' (a JSON object of {name: {dtype, shape, data_offsets}}).
+    """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"model file {str(path)!r} is a directory; give the path of the DiT's "
+                         f".safetensors file inside it")
     if not path.is_file():
         raise ValueError(f"model file {str(path)!r} does not exist; give the path of a "
                          f".safetensors file")
-    with path.open("rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) != 8:
-            raise ValueError(f"{path} is not a safetensors file (too short)")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > 100 * 1024 * 1024:
-            raise ValueError(f"{path} is not a safetensors file (header of {header_len} bytes)")
-        try:
-            header = json.loads(f.read(header_len))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not a safetensors file: {exc}") from exc
+    try:
+        with path.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise ValueError(f"{path} is not a safetensors file (too short)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > 100 * 1024 * 1024:
+                raise ValueError(f"{path} is not a safetensors file (header of {header_len} "
+                                 f"bytes)")
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise ValueError(f"model file {str(path)!r} cannot be read ({exc.strerror or exc})"
+                         ) from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({exc})"
+                         ) from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is a "
+                         f"{type(header).__name__}, not an object of tensors")
     sizes = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        start, end = info["data_offsets"]
-        sizes[name] = int(end) - int(start)
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0
+                        for o in offsets) and offsets[1] >= offsets[0]):
+            raise ValueError(f"{path} has a corrupt safetensors header: tensor {name!r} has no "
+                             f"valid data_offsets ({info!r:.80}); re-download the file")
+        sizes[name] = offsets[1] - offsets[0]
     return sizes
 
 

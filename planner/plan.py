@@ -9,6 +9,7 @@ headroom per GPU per phase. A job that cannot fit is reported with the smallest 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from .. import geometry
@@ -16,12 +17,13 @@ from ..dual_sage import sizing as dual_sage_sizing
 from ..offload import sizing as offload_sizing
 from . import timing
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, dit_sizes_from_file
+from .decode import DecodePlan, plan_decode
 from .hardware import GiB, HardwareProfile, detect_hardware, get_profile
 from .memory import BlockDims, ChunkSettings, block_activation_peak, choose_chunks
+from .parallel import MODES as PARALLEL_MODES
+from .parallel import ParallelPlan, plan_parallel
 
 LOOKAHEAD = 2  # copies run 2 streamed blocks ahead, into K + 1 = 3 device slots
-DECODE_SLAB_FRAMES = 9  # output frames the video VAE decodes at once (estimate)
-DECODE_BYTES_PER_PIXEL = 512  # live decoder activations per output pixel-frame (estimate)
 TEXT_ENCODER_WORKSPACE = int(0.75 * GiB)
 
 
@@ -39,6 +41,8 @@ class PlanRequest:
     dit_dtype: str = "int8"  # "int8" (official pruned file) or "bf16"
     dit_file: str | None = None  # read real block sizes from this checkpoint's header
     dual_sage: str = "auto"  # "auto" | "on" | "off"
+    parallel: str = "auto"  # per pass: "auto" | "sequence" | "heads" | "off"
+    decode: str = "auto"  # video decode on several GPUs: "auto" | "on" | "off"
     chunking: str = "auto"  # "auto" | "off" | "on"
     resident_blocks: int | None = None  # None = as many as fit
     fused_swiglu: bool = False  # ComfyUI's linear_input_act; the twin materialises silu
@@ -46,8 +50,14 @@ class PlanRequest:
     pinned_fraction: float = 0.5  # share of host RAM the pinned arena may take
 
     def __post_init__(self) -> None:
-        geometry.validate_canvas(self.width, self.height)
-        geometry.validate_canvas(self.pass1_width, self.pass1_height)
+        # numpy integers (a width read from an array) are accepted and stored as ints
+        for name in ("width", "height", "pass1_width", "pass1_height", "text_tokens",
+                     "lora_rank"):
+            object.__setattr__(self, name, geometry.as_int(getattr(self, name), name))
+        for name in ("frames", "resident_blocks"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, geometry.as_int(getattr(self, name), name))
+        geometry.validate_two_pass(self.pass1_width, self.pass1_height, self.width, self.height)
         if self.frames is None and self.seconds is None:
             raise ValueError("give seconds or frames for the clip length")
         if self.frames is not None:
@@ -56,19 +66,31 @@ class PlanRequest:
             geometry.snap_frames(self.seconds)
         if self.dit_dtype not in ("int8", "bf16"):
             raise ValueError(f"dit_dtype {self.dit_dtype!r} is not known; use 'int8' or 'bf16'")
-        for name in ("dual_sage", "chunking"):
+        for name in ("dual_sage", "chunking", "decode"):
             value = getattr(self, name)
             allowed = ("auto", "on", "off")
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not valid; use one of {allowed}")
-        for name in ("lora_rank", "text_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = none)")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel={self.parallel!r} is not valid; use one of "
+                             f"{PARALLEL_MODES}")
+        for name, high, why in (
+                ("lora_rank", geometry.HIDDEN, "the DiT's width; the turbo LoRA's rank is 128"),
+                ("text_tokens", geometry.MAX_TEXT_TOKENS,
+                 "far more than any prompt; H3 prompts take a few hundred tokens")):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (0 = none)")
+            if value > high:
+                raise ValueError(f"{name}={value} is larger than {high} ({why})")
         if self.resident_blocks is not None and not 0 <= self.resident_blocks <= geometry.BLOCKS:
             raise ValueError(f"resident_blocks={self.resident_blocks} must be between 0 and "
                              f"{geometry.BLOCKS}")
-        if not 0.0 < self.pinned_fraction <= 0.9:
+        if not (isinstance(self.pinned_fraction, (int, float))
+                and 0.0 < self.pinned_fraction <= 0.9):
             raise ValueError(f"pinned_fraction={self.pinned_fraction} must be in (0, 0.9]")
+        if self.dit_file is not None and not isinstance(self.dit_file, (str, os.PathLike)):
+            raise ValueError(f"dit_file={self.dit_file!r} must be a path to a .safetensors file")
 
     @property
     def frame_count(self) -> int:
@@ -151,6 +173,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    parallel: ParallelPlan | None = None
+    decode: DecodePlan | None = None
 
     @property
     def fits(self) -> bool:
@@ -231,11 +255,79 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
         step[name] = _step_time(s, profile, root, helpers, dual, prefetch, sizes, q)
         single[name] = _step_time(s, profile, root, [], _DUAL_OFF, prefetch, sizes, q)
 
+    # 3. Per pass: sequence parallel, Dual-Sage or one GPU, by predicted step time.
+    parallel = _plan_parallel(request, profile, sizes, tokens, dual, prefetch, root, helpers,
+                              step, single, chunks)
+    _apply_parallel(parallel, gpus, root, helpers, step, notes)
+
     plan = Plan(request, profile, sizes, pass1, pass2, root, helpers, placement, dual,
                 ChunkPlan(chunks.ffn_chunk, chunks.qkv_chunk, chunks.head_group, chunk_reason),
-                prefetch, gpus, step, single, notes)
+                prefetch, gpus, step, single, notes, parallel=parallel)
+    plan.notes.extend(_range_notes(request, profile, pass1, pass2, root, helpers))
+    # 4. The video decode: the VAE's GPU alone, or its windows shared with the other GPUs.
+    plan.decode = _plan_decode(plan)
     _check_fit(plan, suggest)
     return plan
+
+
+def _plan_parallel(request, profile, sizes, tokens, dual, prefetch, root, helpers, step, single,
+                   chunks) -> ParallelPlan:
+    helper_free = 0
+    if helpers:
+        spec = profile.gpus[helpers[0]]
+        # ComfyUI keeps the VAEs and the upscaler loaded on the helper between passes
+        helper_free = (spec.memory_bytes - reserve_bytes(spec.memory_bytes) - sizes.vae_bytes
+                       - sizes.upscaler_bytes)
+    requested = request.parallel
+    if request.dual_sage == "off" and requested == "heads":
+        requested = "off"
+    return plan_parallel(
+        requested=requested, profile=profile, root=root, helpers=helpers, tokens=tokens,
+        single_step_s=single, heads_step_s=step,
+        heads_active={n: dual.enabled and tokens[n] >= dual.min_tokens for n in tokens},
+        block_bytes=sizes.dit_block_bytes, helper_free_bytes=helper_free,
+        streamed_root_blocks=prefetch.streamed_blocks,
+        root_block_copy_s=timing.block_copy_time_s(sizes.dit_block_bytes, profile.link,
+                                                    pinned=prefetch.source == "pinned"),
+        lora_rank=request.lora_rank, fused_swiglu=request.fused_swiglu,
+        quantized=request.quantized_attention, ffn_chunk=chunks.ffn_chunk)
+
+
+def _apply_parallel(parallel: ParallelPlan, gpus: list[GPUPlan], root: int, helpers: list[int],
+                    step: dict[str, float], notes: list[str]) -> None:
+    """Step times and per-GPU memory of the passes that run sequence-parallel."""
+    for name, choice in parallel.passes.items():
+        step[name] = choice.step_time_s
+        if choice.mode != "sequence":
+            continue
+        label = "PASS1" if name == "pass1" else "PASS2"
+        root_phase = gpus[root].phases[label]
+        gpus[root].phases[label] = PhaseMemory(root_phase.weights, choice.root_activation_bytes)
+        for index in helpers:
+            phases = gpus[index].phases
+            resident = phases[label].weights if label in phases else 0
+            phases[label] = PhaseMemory(resident + choice.helper_weight_bytes,
+                                        choice.helper_activation_bytes)
+        notes.append(f"{label} sequence parallel: each GPU holds about half the activations "
+                     f"(root {choice.root_activation_bytes / GiB:.1f} GiB, helper "
+                     f"{choice.helper_activation_bytes / GiB:.1f} GiB), DiT on the helper as a "
+                     f"{choice.helper_weights}")
+
+
+def _range_notes(request: PlanRequest, profile: HardwareProfile, pass1, pass2, root: int,
+                 helpers: list[int]) -> list[str]:
+    """What the plan accepts but the user should know: untrained sizes, a missing kernel."""
+    notes = [w for w in (geometry.canvas_warning(pass1.width, pass1.height, "PASS1"),
+                         geometry.canvas_warning(pass2.width, pass2.height, "PASS2"),
+                         geometry.frames_warning(pass2.frames)) if w]
+    if request.quantized_attention:
+        for index in [root, *helpers]:
+            gpu = profile.gpus[index]
+            if not gpu.int8_attention_tflops:
+                notes.append(f"quantized attention: gpu:{index} ({gpu.name}) has no INT8 "
+                             f"attention kernel; its attention is timed at the "
+                             f"{gpu.compute_dtype} rate")
+    return notes
 
 
 def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2):
@@ -339,7 +431,7 @@ def _plan_prefetch(request: PlanRequest, profile: HardwareProfile, sizes: Compon
 
 def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1, pass2,
                notes):
-    from .sizing import dual_sage_helper_workspace, upscale_workspace, vae_decode_workspace
+    from .sizing import dual_sage_helper_workspace, upscale_workspace
 
     gpus = []
     dit_weights = sizes.dit_other_bytes + sizes.lora_bytes + \
@@ -363,12 +455,8 @@ def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1
             g.phases["text encode"] = PhaseMemory(max(te_on_gpu, 0), TEXT_ENCODER_WORKSPACE)
             g.phases["latent upscale"] = PhaseMemory(
                 sizes.upscaler_bytes, upscale_workspace(pass1, pass2))
-            per_frame = vae_decode_workspace(pass2, 1, DECODE_BYTES_PER_PIXEL)
-            slab = max(1, min(DECODE_SLAB_FRAMES, (usable - sizes.vae_bytes) // per_frame))
-            if slab < DECODE_SLAB_FRAMES:
-                notes.append(f"decode: {slab} frame(s) per VAE tile in time to fit gpu:{index}")
-            g.phases["decode"] = PhaseMemory(
-                sizes.vae_bytes, vae_decode_workspace(pass2, slab, DECODE_BYTES_PER_PIXEL))
+            # set by _plan_decode once the decode's devices are known (measured numbers)
+            g.phases["decode"] = PhaseMemory(sizes.vae_bytes, 0)
         for name, s in tokens.items():
             label = "PASS1" if name == "pass1" else "PASS2"
             if is_root:
@@ -379,6 +467,31 @@ def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1
                 g.phases[label] = PhaseMemory(resident, 0, dual_sage_helper_workspace(s, share))
         gpus.append(g)
     return gpus
+
+
+def _plan_decode(plan: Plan) -> DecodePlan:
+    """Decode devices and their decode-phase memory (the VAE GPU's phase is replaced, each
+    helper that takes windows gets one: what it keeps there plus its decoder copy)."""
+    vae_gpu = plan.placement["video_vae"]
+    others = [g.index for g in plan.gpus if g.index != vae_gpu]
+    usable = {g.index: g.capacity_bytes - g.reserve_bytes for g in plan.gpus}
+    # the DiT's GPU still holds its resident weights when decoding starts
+    held = {g.index: g.phases["PASS2"].weights for g in plan.gpus
+            if g.index == plan.root_device and g.index != vae_gpu and "PASS2" in g.phases}
+    element = 2  # the VAE runs in fp16/bf16 on a GPU
+    decode = plan_decode(plan.profile, vae_gpu=vae_gpu, helpers=others,
+                         width=plan.pass2.width, height=plan.pass2.height,
+                         frames=plan.pass2.frames, vae_bytes=plan.sizes.video_vae_bytes,
+                         usable_bytes=usable, held_bytes=held, mode=plan.request.decode,
+                         element_bytes=element)
+    by_index = {g.index: g for g in plan.gpus}
+    for index, (weights, activations) in decode.memory.items():
+        if index == vae_gpu:  # both VAEs stay loaded; the video decode's windows on top
+            weights = plan.sizes.vae_bytes
+        elif not decode.make_room:
+            weights += held.get(index, 0)
+        by_index[index].phases["decode"] = PhaseMemory(weights, activations)
+    return decode
 
 
 def _step_time(tokens, profile, root, helpers, dual, prefetch, sizes, quantized) -> float:

@@ -1,8 +1,9 @@
 """Workspace estimates for the helper GPU's phases (pure arithmetic, no torch).
 
 The Dual-Sage helper workspace comes from `dual_sage/sizing.py` (its ring of head chunks).
-The latent-upscaler and VAE
-numbers are estimates (we cannot run the real weights here) and are labelled as such in reports.
+The latent-upscaler
+numbers are estimates (labelled as such in reports); the video decode's are measured and live in
+`decode/sizing.py` (used by `planner/decode.py`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,3 @@ def upscale_workspace(pass1: geometry.PassGeometry, pass2: geometry.PassGeometry
     latents = 2 * (pass1.latent[2] * pass1.latent[3] * pass1.latent[4]
                    + t * h * w) * 24 * 4  # input + output latents, fp32
     return UPSCALER_CHANNELS * slab * h * w * 2 * UPSCALER_LIVE_TENSORS + latents
-
-
-def vae_decode_workspace(pass2: geometry.PassGeometry, slab_frames: int,
-                         bytes_per_pixel: int) -> int:
-    """Video VAE decode in temporal slabs (decoded frames leave the GPU slab by slab)."""
-    pixels = pass2.width * pass2.height
-    return pixels * min(slab_frames, pass2.frames) * bytes_per_pixel

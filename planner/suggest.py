@@ -20,18 +20,17 @@ def suggest_fixes(plan: Plan) -> list[str]:
     request = plan.request
     out: list[str] = []
     frames = request.frame_count
-    # 1. shorter clip, same canvas
-    f = frames - geometry.FRAME_STEP
-    while f >= 124:
-        candidate = plan_job(replace(request, frames=f, seconds=None), suggest=False)
-        if candidate.fits:
-            out.append(f"a shorter clip fits: {f} frames ({f / geometry.FPS:.1f} s) at "
-                       f"{request.width}x{request.height}")
-            break
-        f -= geometry.FRAME_STEP
-    # 2. smaller PASS2 canvas, same duration
+    # 1. shorter clip, same canvas: the longest that fits, by bisection over the 17k+5 grid
+    # (memory only grows with the frame count), so any length costs a dozen plans at most
+    longest = _longest_fitting_frames(request, frames)
+    if longest is not None:
+        out.append(f"a shorter clip fits: {longest} frames ({longest / geometry.FPS:.1f} s) at "
+                   f"{request.width}x{request.height}")
+    # 2. smaller PASS2 canvas, same duration (never below PASS1: PASS2 refines its upscale)
     for w, h in SMALLER_CANVASES:
         if w * h >= request.width * request.height:
+            continue
+        if w < request.pass1_width or h < request.pass1_height:
             continue
         candidate = plan_job(replace(request, width=w, height=h), suggest=False)
         if candidate.fits:
@@ -45,3 +44,24 @@ def suggest_fixes(plan: Plan) -> list[str]:
     if not out:
         out.append("no smaller job on this hardware fits: use a GPU with more memory")
     return out
+
+
+def _longest_fitting_frames(request, frames: int) -> int | None:
+    """The longest clip of at least 124 frames and shorter than `frames` that fits, or None."""
+    from .plan import plan_job
+
+    def fits(k: int) -> bool:
+        f = geometry.MIN_FRAMES + k * geometry.FRAME_STEP
+        return plan_job(replace(request, frames=f, seconds=None), suggest=False).fits
+
+    low = (geometry.TRAINED_FRAMES[0] - geometry.MIN_FRAMES) // geometry.FRAME_STEP  # 124
+    high = (frames - geometry.MIN_FRAMES) // geometry.FRAME_STEP - 1
+    if high < low or not fits(low):
+        return None
+    while low < high:  # invariant: `low` fits
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return geometry.MIN_FRAMES + low * geometry.FRAME_STEP

@@ -8,6 +8,12 @@ to the client id the prompt was queued with (`execution_interrupted` to everyone
 
 Stdlib only: `http.server` plus a minimal RFC 6455 server (text frames out, masked frames in).
 Every wait is bounded; `stop()` closes every socket, so a test can never hang on it.
+
+It can also be hostile (see `Scenario`): slow or lost /prompt answers, its own prompt ids,
+answers that are not JSON or not ComfyUI's shapes, 403 on cancel, stray WebSocket broadcasts,
+a /view that never answers or never ends, odd file names, HTTPS with a self-signed certificate
+(`tls=True`, tests/data/tls: a test-only key) and Basic auth (`auth=(user, password)`). It listens
+on 127.0.0.1 only and shuts itself down after `lifetime_s` even if a test forgets to.
 """
 
 from __future__ import annotations
@@ -16,17 +22,23 @@ import base64
 import hashlib
 import json
 import socket
+import ssl
 import struct
 import threading
 import time
 import urllib.parse
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+TLS_DIR = Path(__file__).parent / "data" / "tls"  # self-signed for 127.0.0.1: tests only
+TLS_CERT = TLS_DIR / "cert.pem"
+HANG_LIMIT_S = 30.0  # the longest any hostile handler stalls, stop() or not
 
 
 def _combo(options: list[str], **extra: Any) -> list:
@@ -117,6 +129,20 @@ class Scenario:
     error_node: str | None = None  # this node raises RuntimeError
     truncate_view_once: bool = False  # first /view sends half the bytes and closes
     video_bytes: bytes = b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 64
+    # -- hostile behaviour ------------------------------------------------------------------
+    post_delay_s: float = 0.0  # "validate" this long before queueing and answering
+    own_prompt_ids: bool = False  # ignore the client's prompt_id, assign one (older ComfyUI)
+    post_reply: tuple[int, str, bytes] | None = None  # queue, then answer this raw reply
+    replies: dict[str, tuple[int, str, bytes]] = field(default_factory=dict)  # GET path
+    # prefix -> raw (status, content type, body) instead of the real answer
+    history_hook: Callable[[dict], Any] | None = None  # rewrites each served history entry
+    queue_hook: Callable[[dict], Any] | None = None  # rewrites the /queue answer
+    ws_extra: list[str] = field(default_factory=list)  # raw frames sent to every socket when
+    # a prompt is queued ("{prompt_id}" is replaced by its id)
+    forbid_cancel: bool = False  # 403 on /interrupt and on POST /queue
+    view: str = "normal"  # "hang": never answers; "endless": streams without end
+    file_names: list[Any] | None = None  # names SaveVideo reports, one output file each
+    traceback_as_string: bool = False  # execution_error's traceback as one string
 
 
 class _WebSocket:
@@ -170,14 +196,22 @@ class _WebSocket:
 class FakeComfyServer:
     """Start with `with FakeComfyServer(Scenario(...)) as fake:`; `fake.url` is the base URL."""
 
-    def __init__(self, scenario: Scenario | None = None, object_info: dict | None = None):
+    def __init__(self, scenario: Scenario | None = None, object_info: dict | None = None, *,
+                 tls: bool = False, auth: tuple[str, str] | None = None,
+                 lifetime_s: float = 120.0):
         self.scenario = scenario or Scenario()
+        self.auth_header = None if auth is None else "Basic " + base64.b64encode(
+            f"{auth[0]}:{auth[1]}".encode()).decode()
+        self.auth_failures = 0
+        self.view_bytes_sent = 0
+        self.lifetime_s = lifetime_s
         self.object_info = object_info or OBJECT_INFO
         self.lock = threading.Condition()
         self.post_attempts = 0
         self.prompts_received: list[dict] = []  # bodies of accepted POST /prompt
         self.interrupts: list[dict] = []
         self.queue_deletes: list[str] = []
+        self.queued_ids: list[str] = []  # prompt ids as this server queued them
         self.pending: list[tuple] = []
         self.running: tuple | None = None
         self.history: dict[str, dict] = {}
@@ -188,10 +222,15 @@ class FakeComfyServer:
         self.interrupt_flag = False
         self.counter = 0
         self.stopping = threading.Event()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.httpd = _Server(("127.0.0.1", 0), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.fake = self  # type: ignore[attr-defined]
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(TLS_CERT, TLS_DIR / "key.pem")
+            self.httpd.tls = context
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}"
         self._threads = [threading.Thread(target=self.httpd.serve_forever, args=(0.05,),
                                           daemon=True),
                          threading.Thread(target=self._worker, daemon=True)]
@@ -199,9 +238,16 @@ class FakeComfyServer:
     def __enter__(self) -> FakeComfyServer:
         for thread in self._threads:
             thread.start()
+        # the server stops by itself even if a test never leaves its `with` block
+        self._watchdog = threading.Timer(self.lifetime_s, self.__exit__)
+        self._watchdog.daemon = True
+        self._watchdog.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.stopping.is_set():
+            return
+        self._watchdog.cancel()
         self.stopping.set()
         with self.lock:
             self.lock.notify_all()
@@ -284,7 +330,10 @@ class FakeComfyServer:
                     "executed": executed, "exception_message": "CUDA out of memory. Tried to "
                     "allocate 4.18 GiB", "exception_type": "torch.OutOfMemoryError",
                     "traceback": ["Traceback (most recent call last):\n",
-                                  '  File "execution.py", line 1, in execute\n'],
+                                  '  File "execution.py", line 1, in execute\n']
+                    if not sc.traceback_as_string else
+                    'Traceback (most recent call last):\n  File "execution.py", line 1\n'
+                    'RuntimeError: CUDA out of memory\n',
                     "current_inputs": {"steps": [steps]},
                     "current_outputs": executed})
                 ok = False
@@ -323,6 +372,13 @@ class FakeComfyServer:
         self.counter += 1
         prefix = str(node["inputs"].get("filename_prefix", "ComfyUI"))
         subfolder, _, stem = prefix.rpartition("/")
+        if node["class_type"] == "SaveVideo" and self.scenario.file_names is not None:
+            items = []
+            for name in self.scenario.file_names:
+                items.append({"filename": name, "subfolder": subfolder, "type": "output"})
+                if isinstance(name, str):
+                    self.files[("output", subfolder, name)] = self.scenario.video_bytes
+            return {"images": items, "animated": [True]}
         if node["class_type"] == "SaveVideo":
             name, data = f"{stem}_{self.counter:05}_.mp4", self.scenario.video_bytes
             output = {"images": [{"filename": name, "subfolder": subfolder, "type": "output"}],
@@ -339,6 +395,9 @@ class FakeComfyServer:
         sc = self.scenario
         with self.lock:
             self.post_attempts += 1
+        if sc.post_delay_s:  # a loaded server: validation takes longer than the client waits
+            self.stopping.wait(min(sc.post_delay_s, HANG_LIMIT_S))
+        with self.lock:
             if sc.post_failures:
                 status = sc.post_failures.pop(0)
                 return handler.reply(status, {"error": {"type": "server_busy",
@@ -356,23 +415,35 @@ class FakeComfyServer:
                     "type": "invalid_prompt", "message": f"Cannot execute because node "
                     f"{unknown[0]} does not exist.", "details": "", "extra_info": {}},
                     "node_errors": {}})
-            prompt_id = str(body.get("prompt_id") or uuid.uuid4())
+            if sc.own_prompt_ids:
+                prompt_id = str(uuid.uuid4())
+            else:
+                prompt_id = str(body.get("prompt_id") or uuid.uuid4())
             extra = {**(body.get("extra_data") or {}), "client_id": body.get("client_id")}
             outputs = [k for k, n in prompt.items()
                        if self.object_info[n["class_type"]].get("output_node")]
             number = len(self.prompts_received)
             self.pending.append((number, prompt_id, prompt, extra, outputs))
             self.prompts_received.append(body)
+            self.queued_ids.append(prompt_id)
             self.lock.notify_all()
-            if sc.drop_post_response:
-                sc.drop_post_response = False
-                return handler.drop()
+        for text in sc.ws_extra:
+            for ws in list(self.sockets.values()):
+                ws.send_text(text.replace("{prompt_id}", prompt_id))
+        if sc.drop_post_response:
+            sc.drop_post_response = False
+            return handler.drop()
+        if sc.post_reply is not None:
+            status, content_type, raw = sc.post_reply
+            return handler.reply(status, body=raw, content_type=content_type)
         handler.reply(200, {"prompt_id": prompt_id, "number": number, "node_errors": {}})
 
-    def queue(self) -> dict:
+    def queue(self) -> Any:
         with self.lock:
-            return {"queue_running": [list(self.running)] if self.running else [],
-                    "queue_pending": [list(item) for item in self.pending]}
+            answer = {"queue_running": [list(self.running)] if self.running else [],
+                      "queue_pending": [list(item) for item in self.pending]}
+        hook = self.scenario.queue_hook
+        return answer if hook is None else hook(answer)
 
     def post_interrupt(self, body: dict) -> None:
         with self.lock:
@@ -390,8 +461,67 @@ class FakeComfyServer:
                 self.pending = []
 
 
+class _Server(ThreadingHTTPServer):
+    tls: ssl.SSLContext | None = None
+
+    def finish_request(self, request, client_address) -> None:
+        if self.tls is not None:  # the TLS handshake runs in the request's own thread
+            try:
+                request.settimeout(5)
+                request = self.tls.wrap_socket(request, server_side=True)
+                request.settimeout(None)
+            except (ssl.SSLError, OSError):
+                return  # e.g. the client refused our self-signed certificate
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that went away mid-answer is what these tests do on purpose
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+
+    def authorized(self) -> bool:
+        """Basic auth, when the fake has it: a 401 for a missing or wrong header."""
+        expected = self.fake.auth_header
+        if expected is None or self.headers.get("Authorization") == expected:
+            return True
+        self.fake.auth_failures += 1
+        data = b'{"error": "login required"}'
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="comfy"')
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        return False
+
+    def raw_reply(self, path: str) -> bool:
+        """Answer a scripted raw reply for `path` (GET), if the scenario has one."""
+        for prefix, (status, content_type, body) in self.fake.scenario.replies.items():
+            if path.startswith(prefix):
+                self.reply(status, body=body, content_type=content_type)
+                return True
+        return False
+
+    def _view_hostile(self, mode: str) -> None:
+        fake = self.fake
+        if mode == "hang":  # headers never come
+            fake.stopping.wait(HANG_LIMIT_S)
+            return self.drop()
+        self.send_response(200)  # "endless": no length, bytes until the client hangs up
+        self.send_header("Content-Type", "video/mp4")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        chunk = b"\x00" * 65536
+        limit = time.monotonic() + HANG_LIMIT_S
+        while not fake.stopping.is_set() and time.monotonic() < limit:
+            try:
+                self.wfile.write(chunk)
+            except OSError:
+                break
+            fake.view_bytes_sent += len(chunk)
+        self.close_connection = True
 
     @property
     def fake(self) -> FakeComfyServer:
@@ -418,6 +548,8 @@ class _Handler(BaseHTTPRequestHandler):
         url = urllib.parse.urlsplit(self.path)
         query = dict(urllib.parse.parse_qsl(url.query))
         fake = self.fake
+        if not self.authorized() or self.raw_reply(url.path):
+            return None
         if url.path == "/ws":
             return self._websocket(query.get("clientId") or uuid.uuid4().hex)
         if url.path == "/object_info":
@@ -430,10 +562,19 @@ class _Handler(BaseHTTPRequestHandler):
             prompt_id = urllib.parse.unquote(url.path[len("/history/"):])
             with fake.lock:
                 entry = fake.history.get(prompt_id)
+            hook = fake.scenario.history_hook
+            if entry and hook is not None:
+                entry = hook(json.loads(json.dumps(entry)))
             return self.reply(200, {prompt_id: entry} if entry else {})
+        if url.path == "/history":  # the newest entries, as ComfyUI's ?max_items=N
+            with fake.lock:
+                items = list(fake.history.items())[-int(query.get("max_items", 10000)):]
+            return self.reply(200, dict(items))
         if url.path == "/view":
             key = (query.get("type", "output"), query.get("subfolder", ""),
                    query.get("filename", ""))
+            if fake.scenario.view != "normal":
+                return self._view_hostile(fake.scenario.view)
             data = fake.files.get(key)
             if data is None:
                 return self.reply(404, {})
@@ -454,8 +595,12 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(length) or b"{}")
         except json.JSONDecodeError:
             body = {}
+        if not self.authorized():
+            return None
         if self.path == "/prompt":
             return self.fake.post_prompt(self, body)
+        if self.path in ("/interrupt", "/queue") and self.fake.scenario.forbid_cancel:
+            return self.reply(403, body=b"403: Forbidden", content_type="text/plain")
         if self.path == "/interrupt":
             self.fake.post_interrupt(body)
         elif self.path == "/queue":

@@ -248,7 +248,7 @@ def test_switched_off_features_leave_the_model_untouched(tiny_twin):
     plan = _plan("2xH200")
     model = TwinPatcher(tiny_twin)
     out, lines = apply_plan(model, plan, decide_placement(PAIR),
-                            disabled=("dual_sage", "chunking", "prefetch"))
+                            disabled=("dual_sage", "chunking", "prefetch", "sequence"))
     assert out is model
     assert set(lines.values()) == {"off: switched off on the node"}
     single, lines = apply_plan(model, plan, decide_placement(PAIR[:1]),
@@ -367,7 +367,8 @@ def test_plan_chunking_is_applied_exactly_on_the_twin(tiny_twin, tiny_inputs):
     pytest.importorskip("h3_multigpu.chunking")
     plan = _plan("2xR9700", seconds=15)
     model = TwinPatcher(tiny_twin)
-    out, lines = apply_plan(model, plan, decide_placement(PAIR), disabled=("dual_sage",))
+    out, lines = apply_plan(model, plan, decide_placement(PAIR),
+                            disabled=("dual_sage", "sequence"))
     assert out is not model and lines["chunking"].startswith("on")
     assert str(plan.chunking.ffn_chunk) in lines["chunking"]
     plain, chunked = model.apply_model(*tiny_inputs), out.apply_model(*tiny_inputs)
@@ -378,7 +379,8 @@ def test_a_missing_library_is_reported_not_silent(tiny_twin, monkeypatch):
     plan = _plan("2xR9700", seconds=15)
     monkeypatch.setitem(sys.modules, "h3_multigpu.chunking", None)  # import now fails
     model = TwinPatcher(tiny_twin)
-    out, lines = apply_plan(model, plan, decide_placement(PAIR), disabled=("dual_sage",))
+    out, lines = apply_plan(model, plan, decide_placement(PAIR),
+                            disabled=("dual_sage", "sequence"))
     assert out is model
     assert lines["chunking"].startswith("NOT ACTIVE: chunking is not available")
 

@@ -43,9 +43,10 @@ def test_user_case_15s_on_2xR9700_fits_with_chunking():
 
 
 def test_user_case_without_chunking_does_not_fit_and_suggests():
-    # the user's crash: 15 s PASS2 with the LoRA on activations, unchunked
+    # the user's crash: 15 s PASS2 with the LoRA on activations, unchunked, one GPU per block
+    # (the sequence-parallel mode halves the activations and fits: test_planner_parallel.py)
     plan = plan_job(PlanRequest(width=1312, height=736, seconds=15, profile="2xR9700",
-                                chunking="off", resident_blocks=50))
+                                chunking="off", resident_blocks=50, parallel="heads"))
     assert not plan.fits
     assert any("PASS2" in p for p in plan.problems)
     assert plan.suggestions and "fits" in " ".join(plan.suggestions)

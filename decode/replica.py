@@ -1,0 +1,111 @@
+"""A decoding copy of the video VAE on another device.
+
+The copy is made from the module ComfyUI has loaded on the root GPU, tensor by tensor, so it
+holds exactly the weights the root decodes with (patches applied, same dtype). Only what
+decoding runs is copied: the decoder, the post-quant conv and the VAE's own buffers; the
+encoder and the quant conv are shared with the original (never run on the copy, no memory).
+The copy keeps the original's class, so its windows run the model's own code.
+
+`replica_bytes(model)` says what a copy costs; `check_replicable(model)` says why a model
+cannot be copied faithfully (weights that ComfyUI patches on the fly while a layer runs, or a
+decode method replaced on the instance), in which case the decode stays on one GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+SHARED_CHILDREN = ("encoder", "quant_conv")  # never run when decoding
+# model methods the window decode calls; an instance attribute of that name would not follow
+# the copy (it may be bound to the original), so such a model is not split
+DECODE_METHODS = ("_adaptive_decode", "tiled_decode", "_decode_tile_row", "_decode_pixels",
+                  "split_tiles", "blend", "_finalize_pixels")
+_ON_THE_FLY = ("weight_function", "bias_function")  # ComfyUI lowvram/patch hooks on a layer
+
+Copier = Callable[[torch.Tensor, torch.device], torch.Tensor]
+
+
+def _decoding_modules(model: nn.Module) -> Iterator[nn.Module]:
+    yield model
+    for name, child in model.named_children():
+        if name not in SHARED_CHILDREN:
+            yield from child.modules()
+
+
+def check_replicable(model: nn.Module) -> str | None:
+    """None when a faithful decoding copy can be made, else the reason it cannot."""
+    for name in DECODE_METHODS:
+        own = vars(model).get(name)
+        # ComfyUI restores an object patch by setting the bound class method back on the
+        # instance: that one is the model's own method, anything else is a replacement
+        restored = (getattr(own, "__self__", None) is model
+                    and getattr(own, "__func__", None) is getattr(type(model), name, None))
+        if own is not None and not restored:
+            return f"the VAE's {name} is replaced on this model by another patch"
+        if not callable(getattr(model, name, None)):
+            return f"the VAE has no {name} method (not the windowed H3 video VAE)"
+    for module in _decoding_modules(model):
+        for attr in _ON_THE_FLY:
+            if getattr(module, attr, None):
+                return (f"weights of {type(module).__name__} are patched while it runs "
+                        f"(ComfyUI lowvram or on-the-fly patches): a copy would lose them")
+    return None
+
+
+def replica_bytes(model: nn.Module) -> int:
+    """Bytes of the tensors a decoding copy holds."""
+    total = 0
+    for module in _decoding_modules(model):
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def default_copier(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.detach().to(device, copy=True)
+
+
+def _clone_one(module: nn.Module, device: torch.device, move: Copier) -> nn.Module:
+    """`module` with its own parameters, buffers and tensor attributes copied to `device`;
+    children are left to the caller."""
+    clone = copy.copy(module)  # same class, attribute dict copied one level
+    for key, value in list(vars(clone).items()):
+        if isinstance(value, dict):  # hook dicts etc. must not be shared with the original
+            setattr(clone, key, type(value)(value))
+        elif isinstance(value, torch.Tensor):  # a plain tensor attribute
+            setattr(clone, key, move(value, device))
+    clone._parameters = {
+        k: (None if p is None else nn.Parameter(move(p, device), requires_grad=False))
+        for k, p in module._parameters.items()}
+    clone._buffers = {k: (None if b is None else move(b, device))
+                      for k, b in module._buffers.items()}
+    return clone
+
+
+def _copy_tree(module: nn.Module, device: torch.device, move: Copier) -> nn.Module:
+    clone = _clone_one(module, device, move)
+    clone._modules = {name: (None if child is None else _copy_tree(child, device, move))
+                      for name, child in module._modules.items()}
+    return clone
+
+
+def make_replica(model: nn.Module, device: torch.device, move: Copier = default_copier
+                 ) -> nn.Module:
+    """A decoding copy of `model` on `device` (see the module docstring).
+
+    `move(tensor, device)` makes each device copy; the executor passes one that runs on side
+    streams so the copy does not queue behind the root's decoding.
+    """
+    reason = check_replicable(model)
+    if reason is not None:
+        raise ValueError(f"cannot copy the video VAE to {device}: {reason}")
+    top = _clone_one(model, device, move)
+    top._modules = {name: (child if name in SHARED_CHILDREN or child is None
+                           else _copy_tree(child, device, move))
+                    for name, child in model._modules.items()}
+    return top

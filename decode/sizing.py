@@ -1,0 +1,129 @@
+"""Memory and time of the video decode, from measurements (pure Python, no torch).
+
+Measured (`shared/reference/h200x2-vae-decode.json`): the upstream decoder at its released
+config (36 blocks, width 2048) with random weights, through ComfyUI's decode path, at 1312x736
+on one H200 in bf16: 5.51 / 5.555 / 5.566 GiB peak for 124 / 243 / 362 frames, of which
+4.85 GiB are weights; 5.86 / 11.07 / 16.77 s, i.e. 0.80 s per window of 28 tiles. The window
+memory does not grow with the clip: only the latent itself (a few MB) does.
+
+What a window holds beyond the weights is (a) the activations of one decoder call on a batch of
+4 tiles of 256x256 px x 7 latent frames, the same at any canvas, and (b) the window's decoded
+frames (28 frames x 3 channels in the VAE dtype), its float32 head and the cross-fade
+temporaries, which scale with the canvas area. (a) is modelled from the decoder's widths; (b)
+takes the rest of the measured 0.66 GiB at 1312x736 per pixel.
+"""
+
+from __future__ import annotations
+
+import math
+
+GiB = 1024**3
+GB = 1000**3
+
+# --- measured at 1312x736 on one H200, bf16 -------------------------------------------------
+MEASURED_WIDTH, MEASURED_HEIGHT = 1312, 736
+MEASURED_WEIGHT_BYTES = 2_603_873_398 * 2  # parameters + buffers of the released config, bf16
+MEASURED_PEAK_BYTES = int(5.555 * GiB)  # 243 frames (124: 5.51, 362: 5.566)
+MEASURED_LATENT_FRAMES = 72  # 243 frames
+MEASURED_SECONDS_PER_TILE = 16.7668 / (21 * 28)  # 362 frames: 21 windows of 28 tiles
+MEASURED_MATMUL_TFLOPS = 700.0  # the H200 profile's effective GEMM rate (planner/hardware.py)
+
+# --- the decoder (released config) ------------------------------------------------------------
+DECODER_WIDTH = 2048
+DECODER_FFN = 8192
+DECODER_BLOCKS = 36
+DECODER_PARAMS = 2_423_530_496  # decoder alone (what a helper GPU holds, + a 24x24 conv)
+TILE_PX = 256
+TILE_OVERLAP_PX = 64
+TILE_BATCH = 4  # tiles per decoder call when the GPU has room (upstream _decode_tile_row)
+SPATIAL = 16  # pixels per latent cell
+WINDOW_LATENTS = 7
+WINDOW_FRAMES = 28
+HEAD_FRAMES = 17
+BLEND_FRAMES = 5
+REGISTER_TOKENS = 5  # 4 register tokens + 1 padding token per tile
+
+
+def tiles_along(pixels: int, tile: int = TILE_PX, overlap_min: int = TILE_OVERLAP_PX) -> int:
+    """Tiles the decoder cuts `pixels` into (as its split_tiles does: overlaps >= 64 px)."""
+    if pixels <= tile:
+        return 1
+    n = math.ceil(pixels / tile)
+    while tile * n - overlap_min * (n - 1) < pixels:
+        n += 1
+    return n
+
+
+def tiles_per_window(width: int, height: int) -> int:
+    """Spatial tiles in one window (28 at 1312x736)."""
+    return tiles_along(width) * tiles_along(height)
+
+
+def tile_call_bytes(element_bytes: int = 2, batch: int = TILE_BATCH) -> int:
+    """Peak activations of one decoder call on `batch` tiles (independent of the canvas).
+
+    The FFN moment dominates: the residual stream, the gated first projection [S, 2F] and its
+    SwiGLU output [S, F] alive together, with S = batch x (7 x 16 x 16 + 5) tokens.
+    """
+    tokens = batch * (WINDOW_LATENTS * (TILE_PX // SPATIAL) ** 2 + REGISTER_TOKENS)
+    per_token = 2 * DECODER_WIDTH + 2 * DECODER_FFN + DECODER_FFN
+    return tokens * per_token * element_bytes
+
+
+def _measured_per_pixel_bytes() -> float:
+    work = (MEASURED_PEAK_BYTES - MEASURED_WEIGHT_BYTES - tile_call_bytes()
+            - latent_bytes(MEASURED_WIDTH, MEASURED_HEIGHT, MEASURED_LATENT_FRAMES))
+    return work / (MEASURED_WIDTH * MEASURED_HEIGHT)
+
+
+def window_workspace_bytes(width: int, height: int, element_bytes: int = 2) -> int:
+    """Bytes one GPU holds beyond the weights and the latent while decoding windows.
+
+    Calibrated so that 1312x736 at 243 frames in bf16 gives the measured peak exactly (124 and
+    362 frames then land within 0.3%); the per-pixel part is scaled by the dtype.
+    """
+    per_pixel = _measured_per_pixel_bytes() * element_bytes / 2
+    return int(tile_call_bytes(element_bytes) + per_pixel * width * height)
+
+
+def split_extra_bytes(width: int, height: int, element_bytes: int = 2) -> int:
+    """What the split decode adds per GPU: one float32 head waiting for its copy to the host
+    while the next window decodes, plus the two 5-frame boundary pieces (VAE dtype)."""
+    pixels = width * height
+    return pixels * 3 * (HEAD_FRAMES * 4 + 2 * BLEND_FRAMES * element_bytes)
+
+
+LATENT_COPIES = 5  # the input, its cast to the VAE dtype, the de-normalised copy, temporaries
+
+
+def latent_bytes(width: int, height: int, latent_frames: int, element_bytes: int = 2) -> int:
+    """The video latent and its copies on the decode GPU (24 channels, /16 spatially): the only
+    part of the decode's memory that grows with the clip (about 13 MB per 5 s at 1312x736)."""
+    cells = 24 * latent_frames * (height // SPATIAL) * (width // SPATIAL)
+    return LATENT_COPIES * cells * element_bytes
+
+
+def decoder_weight_bytes(element_bytes: int = 2) -> int:
+    """The decoder alone (what a helper copy holds): no encoder."""
+    return (DECODER_PARAMS + 24 * 24 + 24) * element_bytes
+
+
+def seconds_per_window(width: int, height: int, matmul_tflops: float) -> float:
+    """Time of one window on a GPU with that effective GEMM rate (measured on an H200)."""
+    scale = MEASURED_MATMUL_TFLOPS / matmul_tflops
+    return tiles_per_window(width, height) * MEASURED_SECONDS_PER_TILE * scale
+
+
+def boundary_piece_bytes(width: int, height: int, element_bytes: int = 2) -> int:
+    """One 5-frame piece handed across a cut (VAE dtype)."""
+    return width * height * 3 * BLEND_FRAMES * element_bytes
+
+
+def handover_seconds(width: int, height: int, link_gbs: float, element_bytes: int = 2) -> float:
+    """Moving one boundary piece between GPUs (vs a window's ~0.8 s to recompute it)."""
+    return boundary_piece_bytes(width, height, element_bytes) / (link_gbs * GB)
+
+
+def output_bytes(width: int, height: int, frames: int) -> int:
+    """The float32 output ComfyUI allocates on the host (4.2 GB at 362 frames, 1312x736)."""
+    return width * height * 3 * frames * 4

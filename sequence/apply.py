@@ -1,0 +1,654 @@
+"""ComfyUI seam: `SequenceParallelConfig` and `apply_sequence_parallel(model_patcher, config)`.
+
+Installs, on a clone of the patcher, through public hooks only:
+- a `("dit", "double_block", i)` replace patch per DiT block, chaining a patch already there.
+  The residual stream stays split over the GPUs across the whole block loop: the first patch
+  scatters the rows, each later patch recognises the tensor the previous one returned (the model
+  loop hands it straight on) and continues, the last one gathers. Anything else that could see
+  the residual stream makes us gather first and scatter again after: a foreign patch chained
+  inside ours, one wrapped around ours, or a block without our patch. Our own prefetcher's patch
+  only brackets the block with its weight copies (it is marked transparent), so it keeps the split.
+- a DIFFUSION_MODEL wrapper: the root GPU current for the forward, the per-forward state, and
+  the fallback: a helper failure (out of memory, a runtime error) re-runs that step on one GPU,
+  with one warning.
+- an OUTER_SAMPLE wrapper: the helpers' weights and buffers are freed when sampling ends (unless
+  `keep_weights`), so the helper GPU is free for the VAEs, the upscaler and the text encoder; and
+  a ModelPatcher ON_DETACH callback frees them when ComfyUI unloads the model.
+
+Per forward the mode is decided at the first block, from the packed length S: "sequence" when
+every row share stays inside the exact range and the predicted block time beats one GPU and
+Dual-Sage; "heads" (Dual-Sage, when it is applied too); or "off". The choice is written to
+`transformer_options[PARALLEL_KEY]`, which Dual-Sage's override honours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..chunking.h3_ops import H3Ops
+from ..exchange.mode import PARALLEL_KEY, ParallelMode
+from ..exchange.transport import TransportMode, resolve
+from . import sizing
+from .runner import SequenceRunner, SplitState, device_current
+from .split import DEFAULT_CHUNK_HEADS, SequenceSplit
+from .weights import REPLICA, STREAM, HelperWeights, choose_mode
+
+log = logging.getLogger(__name__)
+
+WRAPPER_KEY = "h3_multigpu.sequence"
+DIFFUSION_MODEL = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL value
+OUTER_SAMPLE = "outer_sample"  # ComfyUI's WrappersMP.OUTER_SAMPLE value
+ON_DETACH = "on_detach_after"  # ComfyUI's CallbacksMP.ON_DETACH value
+GIB = 1 << 30
+DEFAULT_LINK = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    key = message.split(":")[0]
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+@dataclass
+class SequenceParallelConfig:
+    """Token rows of every DiT block split over GPUs, heads exchanged around attention.
+
+    parallel: "auto" (per forward the fastest of sequence / heads / one GPU by predicted time),
+        "sequence" (whenever the exact range allows), "heads" (leave it to Dual-Sage), "off".
+    helpers: helper devices ("cuda:0", ...) or None for every other visible GPU.
+    split: "auto" (equal rows and heads) or relative throughputs "1.0:0.7" (root first).
+    transport: "auto" (peer when possible), "peer" or "host" (pinned host relay).
+    helper_weights: "auto" (a replica when it fits, else streamed), "replica" or "stream".
+    chunk_heads: heads per attention call (raised at short lengths, see `split.py`).
+    min_rows: smallest row share (None: 4096 on GPUs, the measured exact range).
+    keep_weights: keep the helpers' weights between sampling runs (faster, holds helper memory).
+    gpu_speeds / link_gbps: the time model's inputs (the planner passes the profile's).
+    """
+
+    parallel: ParallelMode | str = ParallelMode.AUTO
+    helpers: tuple[str, ...] | None = None
+    split: str = "auto"
+    transport: TransportMode | str = TransportMode.AUTO
+    helper_weights: str = "auto"
+    chunk_heads: int = DEFAULT_CHUNK_HEADS
+    min_rows: int | None = None
+    lookahead: int = 2
+    keep_weights: bool = False
+    gpu_speeds: tuple[sizing.GPUSpeed, ...] | None = None
+    link_gbps: float | None = None
+    host_gbps: float = 25.0
+    margin: float = sizing.DEFAULT_MARGIN
+    heads: int = 56  # used when the model does not say
+    note: str = ""  # appended to the status line (the plan's per-pass prediction)
+
+    def __post_init__(self) -> None:
+        self.parallel = ParallelMode.parse(self.parallel)
+        if isinstance(self.transport, str):
+            try:
+                self.transport = TransportMode(self.transport.strip().lower())
+            except ValueError:
+                raise ValueError(f"transport {self.transport!r} is unknown; use 'auto', 'peer' "
+                                 "or 'host'") from None
+        if self.helper_weights not in ("auto", REPLICA, STREAM):
+            raise ValueError(f"helper_weights {self.helper_weights!r} is unknown; use 'auto', "
+                             f"'{REPLICA}' or '{STREAM}'")
+        if self.chunk_heads < 1 or self.lookahead < 1:
+            raise ValueError(f"chunk_heads={self.chunk_heads} and lookahead={self.lookahead} "
+                             "must be >= 1")
+        if self.min_rows is not None and self.min_rows < 1:
+            raise ValueError(f"min_rows={self.min_rows} must be >= 1 (or None for the exact "
+                             "range)")
+        if self.helpers is not None:
+            self.helpers = tuple(str(d) for d in self.helpers)
+
+
+def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
+    """The planner's choice as a config: devices, row weights, link and GPU rates."""
+    parallel = plan.parallel
+    profile = plan.profile
+    order = [plan.root_device, *plan.helper_devices]
+    speeds = tuple(sizing.GPUSpeed(g.matmul_tflops, g.attention_tflops, g.memory_bandwidth_gbs)
+                   for g in (profile.gpus[i] for i in order))
+    link = profile.link
+    values: dict[str, Any] = dict(
+        parallel="auto" if parallel.requested in ("auto", "heads") else parallel.requested,
+        helpers=tuple(f"cuda:{i}" for i in plan.helper_devices),
+        split=":".join(f"{w:g}" for w in parallel.row_weights),
+        transport=parallel.transport if parallel.transport in ("peer", "host") else "auto",
+        gpu_speeds=speeds, link_gbps=link.peer_gbs if link.peer_access else link.host_pinned_gbs,
+        host_gbps=link.host_pinned_gbs,
+        note="plan: " + ", ".join(f"{name.upper()} {p.mode} ({p.speedup:.2f}x predicted)"
+                                  for name, p in parallel.passes.items()))
+    values.update(overrides)
+    return SequenceParallelConfig(**values)
+
+
+def _parse_devices(names: tuple[str, ...]) -> list[torch.device]:
+    out = []
+    for name in names:
+        text = name.strip().lower().replace("gpu:", "cuda:")
+        try:
+            device = torch.device(f"cuda:{text}" if text.isdigit() else text)
+        except RuntimeError:
+            raise ValueError(f"helper device {name!r} is not a device; write 'gpu:0'") from None
+        if device.type == "cuda" and device.index is None:
+            raise ValueError(f"helper device {name!r} needs an index, e.g. 'gpu:0'")
+        out.append(device)
+    return out
+
+
+def resolve_devices(root: torch.device, helpers: tuple[str, ...] | None) -> list[torch.device]:
+    """Root first, then the helpers; ValueError for an unknown or repeated GPU."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if helpers is None:
+        found = [torch.device("cuda", i) for i in range(count)
+                 if root.type != "cuda" or i != root.index]
+    else:
+        found = _parse_devices(helpers)
+    if not found:
+        raise ValueError(f"sequence parallel needs a helper GPU besides the root {root}; none "
+                         "is visible (set helpers, or parallel 'off')")
+    for device in found:
+        if device.type == "cpu" and root.type == "cpu":
+            continue  # CPU stand-ins: tests only
+        if device.type != "cuda":
+            raise ValueError(f"helper device {device} is not a GPU; use 'gpu:N'")
+        if device.index >= count:
+            raise ValueError(f"helper device {device} does not exist: this machine has {count} "
+                             f"GPU(s)")
+        if device == root:
+            raise ValueError(f"helper device {device} is the root GPU running the model; pick "
+                             "another GPU")
+    return [root, *found]
+
+
+def _root_device(model_patcher: Any) -> torch.device:
+    root = torch.device(model_patcher.load_device)
+    if root.type == "cuda" and root.index is None:
+        root = torch.device("cuda", torch.cuda.current_device())
+    return root
+
+
+def build_split(devices: list[torch.device], heads: int, config: SequenceParallelConfig
+                ) -> SequenceSplit:
+    text = config.split.strip().lower()
+    common = dict(chunk_heads=config.chunk_heads, min_rows=config.min_rows)
+    if text in ("auto", ""):
+        if config.gpu_speeds is not None and len(set(config.gpu_speeds)) > 1:
+            weights = [s.matmul_tflops for s in config.gpu_speeds]
+            return SequenceSplit.weighted(devices, heads, weights, **common)
+        if heads % len(devices) == 0:
+            return SequenceSplit.even(devices, heads, **common)
+        return SequenceSplit.weighted(devices, heads, [1.0] * len(devices), **common)
+    try:
+        weights = [float(p) for p in text.replace(",", ":").split(":")]
+    except ValueError:
+        raise ValueError(f"split {config.split!r} is not a list of numbers; write it like "
+                         "'1.0:0.7' (root first) or 'auto'") from None
+    if len(weights) != len(devices):
+        raise ValueError(f"split {config.split!r} has {len(weights)} entries for {len(devices)} "
+                         "devices (root first, then each helper)")
+    return SequenceSplit.weighted(devices, heads, weights, **common)
+
+
+@dataclass
+class _Forward:
+    """One DiT forward's state."""
+
+    options: dict
+    forced: ParallelMode | None = None
+    mode: ParallelMode | None = None
+    reason: str = ""
+    split: SplitState | None = None
+    foreign_outside: frozenset[int] = frozenset()
+    seq_len: int = 0
+
+
+@dataclass
+class _Decision:
+    mode: ParallelMode
+    reason: str
+    predicted_ms: dict[str, float] = field(default_factory=dict)
+
+
+class SequenceParallel:
+    """The mode's state for one patched model: split, runner, helper weights, last decisions."""
+
+    def __init__(self, diffusion_model: torch.nn.Module, base_model: Any,
+                 devices: list[torch.device], config: SequenceParallelConfig):
+        self.diffusion_model = diffusion_model
+        self.base_model = base_model
+        self.config = config
+        self.blocks = list(diffusion_model.blocks)
+        heads = getattr(getattr(self.blocks[0], "attn", None), "heads", config.heads)
+        self.split = build_split(devices, int(heads), config)
+        self.transport = config.transport
+        self.modes = {resolve(self.transport, devices[0], d).value for d in devices[1:]}
+        self.runner: SequenceRunner | None = None
+        self.helper_weights: dict[int, HelperWeights] = {}
+        self.weights_reason = "decided at the first split step"
+        self.failed_lengths: set[int] = set()
+        self.decisions: dict[int, _Decision] = {}
+        self.forward: _Forward | None = None
+        self.steps = {"sequence": 0, "heads": 0, "off": 0, "fallback": 0}
+        self.blocks_run = 0  # blocks run split, over the model's life (runners come and go)
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        return self.split.devices
+
+    @property
+    def host_relay(self) -> bool:
+        return "host" in self.modes
+
+    # ------------------------------------------------------------------ decisions
+    def speeds(self) -> list[sizing.GPUSpeed]:
+        if self.config.gpu_speeds is not None:
+            return list(self.config.gpu_speeds)
+        return [sizing.GPUSpeed()] * len(self.devices)
+
+    def link(self) -> sizing.LinkSpeed:
+        mode = TransportMode.HOST if self.host_relay else TransportMode.PEER
+        gbps = self.config.link_gbps or DEFAULT_LINK[mode]
+        return sizing.LinkSpeed(gbps=gbps, host_relay=self.host_relay,
+                                host_gbps=self.config.host_gbps)
+
+    def decide(self, seq_len: int, options: dict, forced: ParallelMode | None) -> _Decision:
+        requested = forced or self.config.parallel
+        heads_call = _dual_sage_in(options)
+        heads_ok = heads_call is not None and seq_len >= getattr(heads_call, "min_tokens", 0)
+        if requested is ParallelMode.OFF:
+            return _Decision(ParallelMode.OFF, "switched off" if forced is None else
+                             "a helper failed at this length: one GPU")
+        refusal = self.split.refusal(seq_len)
+        if refusal is None and seq_len in self.failed_lengths:
+            refusal = "a helper failed at this length before"
+        speeds, link = self.speeds(), self.link()
+        times = {"off": sizing.one_gpu_block_ms(seq_len, speeds[0])}
+        if refusal is None:
+            streamed = self._streamed_block_bytes()
+            times["sequence"] = sizing.sequence_block_ms(
+                seq_len, speeds, self.split.head_counts, link,
+                row_weights=self.split.row_weights,
+                chunk_heads=self.split.chunk_heads_for(seq_len), streamed_block_bytes=streamed)
+        if heads_ok:
+            plan = heads_call.plan
+            counts = plan.counts_for(plan.heads)
+            times["heads"] = sizing.heads_block_ms(seq_len, speeds[:len(counts)] if
+                                                   len(speeds) >= len(counts) else
+                                                   [speeds[0]] * len(counts), counts, link)
+        gain = {m: times["off"] / t for m, t in times.items()}
+        if requested is ParallelMode.SEQUENCE:
+            if refusal is None:
+                return _Decision(ParallelMode.SEQUENCE, "forced", times)
+            mode = ParallelMode.HEADS if heads_ok else ParallelMode.OFF
+            return _Decision(mode, f"sequence refused: {refusal}", times)
+        if requested is ParallelMode.HEADS:
+            return _Decision(ParallelMode.HEADS if heads_ok else ParallelMode.OFF,
+                             "forced" if heads_ok else "Dual-Sage is not applied or the call is "
+                             "below its min_tokens", times)
+        best = min(times, key=times.get)  # type: ignore[arg-type]
+        if best != "off" and gain[best] < self.config.margin:
+            best = "off"
+        why = ", ".join(f"{m} {t:.1f} ms" for m, t in sorted(times.items()))
+        reason = f"predicted per block at {seq_len:,} tokens: {why}"
+        if refusal is not None:
+            reason += f"; sequence refused: {refusal}"
+        return _Decision(ParallelMode(best), reason, times)
+
+    def _streamed_block_bytes(self) -> int:
+        streamed = [w for w in self.helper_weights.values() if w.mode == STREAM]
+        if not streamed:
+            return 0
+        return max(weights.weights[0].nbytes for weights in streamed)
+
+    # ------------------------------------------------------------------ per forward
+    def begin_forward(self, options: dict, forced: ParallelMode | None = None) -> _Forward:
+        forward = _Forward(options, forced=forced)
+        forward.foreign_outside = frozenset(self._foreign_outside(options))
+        self.forward = forward
+        return forward
+
+    def _foreign_outside(self, options: dict) -> set[int]:
+        """Blocks whose outermost patch chain is not ours (or transparent down to ours)."""
+        patches = options.get("patches_replace", {}).get("dit", {})
+        out = set()
+        for i in range(len(self.blocks)):
+            patch = patches.get(("double_block", i))
+            while patch is not None and getattr(patch, "h3_multigpu_sequence", None) is not self:
+                if not getattr(patch, "h3_multigpu_transparent", False):
+                    out.add(i)
+                    break
+                patch = getattr(patch, "h3_multigpu_previous", None)
+            if patch is None:
+                out.add(i)
+        return out
+
+    def choose_for(self, forward: _Forward, seq_len: int) -> ParallelMode:
+        if forward.mode is None:
+            decision = self.decide(seq_len, forward.options, forward.forced)
+            if forward.foreign_outside and decision.mode is ParallelMode.SEQUENCE:
+                first = min(forward.foreign_outside)
+                decision.reason += (f"; block {first} is patched outside the sequence mode, so "
+                                    "the rows are gathered around it")
+            forward.mode, forward.reason, forward.seq_len = decision.mode, decision.reason, seq_len
+            previous = self.decisions.get(seq_len)
+            if previous is None or previous.mode is not decision.mode:
+                log.info("parallel at %d tokens: %s (%s)", seq_len, decision.mode.value,
+                         decision.reason)
+            self.decisions[seq_len] = decision
+            forward.options[PARALLEL_KEY] = decision.mode.value
+            self.steps[decision.mode.value] += 1
+            if decision.mode is ParallelMode.SEQUENCE:
+                self._prepare(seq_len, forward.options)
+        return forward.mode
+
+    def _prepare(self, seq_len: int, options: dict) -> None:
+        """Helper weights ready and fresh, the runner built (first split forward, or after
+        a weight change or a release)."""
+        prefetch = _prefetch_in(options)
+        for k in range(1, len(self.devices)):
+            weights = self.helper_weights.get(k)
+            if weights is None:
+                weights = self._new_helper_weights(k, seq_len, prefetch)
+                self.helper_weights[k] = weights
+            weights.refresh(self.base_model, prefetch)
+        if self.runner is None:
+            self.runner = SequenceRunner(self.split, self.transport, self.helper_weights)
+
+    def _new_helper_weights(self, k: int, seq_len: int, prefetch: Any) -> HelperWeights:
+        device = self.devices[k]
+        probe = HelperWeights(device, self.blocks, REPLICA)
+        total = probe.total_bytes
+        memory = sizing.sequence_memory(seq_len, self.split.head_counts,
+                                        row_weights=self.split.row_weights,
+                                        chunk_heads=self.split.chunk_heads_for(seq_len))
+        reserve = memory[k].peak + GIB
+        if self.config.helper_weights == "auto" and device.type == "cuda":
+            _ask_comfy_to_free(device, total + reserve)
+        mode, reason = choose_mode(self.config.helper_weights, device, total, reserve,
+                                   _free_bytes)
+        self.weights_reason = f"{device}: {reason}"
+        if mode == REPLICA:
+            return probe
+        budget = getattr(prefetch, "pinned_budget_bytes", None)
+        return HelperWeights(device, self.blocks, STREAM, lookahead=self.config.lookahead,
+                             pinned_budget_bytes=budget)
+
+    def release(self) -> None:
+        """Free the helpers' weights, the links and their buffers (rebuilt when next needed)."""
+        for weights in self.helper_weights.values():
+            weights.close()
+        self.helper_weights = {}
+        if self.runner is not None:
+            self.runner.close()
+        self.runner = None
+
+    def recover(self, failure: BaseException, seq_len: int) -> None:
+        """After a helper failure: wait for what was queued, free everything, remember S."""
+        for device in self.devices:
+            if device.type == "cuda":
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.synchronize(device)
+        self.failed_lengths.add(seq_len)
+        self.release()
+        self.steps["fallback"] += 1
+        warn_once(f"sequence parallel helper failed: {type(failure).__name__}: {failure}; this "
+                  f"step runs on {self.devices[0]}, and steps of {seq_len:,} tokens stay there")
+
+    # ------------------------------------------------------------------ patches
+    def block_patch(self, index: int, previous: Callable | None) -> Callable:
+        last = index == len(self.blocks) - 1
+        transparent_inside = previous is None or getattr(previous, "h3_multigpu_transparent",
+                                                         False)
+
+        def patch(args: dict, extra: dict) -> dict:
+            forward = self.forward
+            options = args.get("transformer_options")
+            if forward is None or forward.options is not options:
+                return _call(previous, args, extra)  # outside our wrapper: plain block
+            if forward.mode is None:
+                self.choose_for(forward, args["img"].shape[0])
+            if forward.mode is not ParallelMode.SEQUENCE or not _decomposable(args) or \
+                    H3Ops.for_block(self.blocks[index]).in_training():
+                self._gather_into(forward)
+                return _call(previous, args, extra)
+
+            def run(a: dict) -> dict:
+                return {"img": self._run(forward, index, a, last)}
+
+            if transparent_inside:
+                return _call(previous, args, {**extra, "original_block": run})
+            # a foreign patch inside ours may read the residual stream: hand it the whole one
+            self._gather_into(forward)
+            forward.split = None
+            return previous(args, {**extra, "original_block": run})
+
+        patch.h3_multigpu_sequence = self  # type: ignore[attr-defined]
+        patch.h3_multigpu_previous = previous  # type: ignore[attr-defined]
+        return patch
+
+    def _gather_into(self, forward: _Forward) -> None:
+        if forward.split is not None and self.runner is not None:
+            try:
+                self.runner.gather(forward.split)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                raise SequenceFailure(forward.seq_len) from exc
+        forward.split = None
+
+    def _run(self, forward: _Forward, index: int, args: dict, last: bool) -> torch.Tensor:
+        h_SC = args["img"]
+        t_emb, rope, segments = args["t_emb"], args["rope_freqs"], args["mod_segments"]
+        runner = self.runner
+        assert runner is not None
+        try:
+            state = forward.split
+            if state is None or not state.owns(h_SC, t_emb, rope, segments):
+                state = runner.scatter(h_SC, t_emb, rope, segments)
+                state.inputs = (id(t_emb), id(rope), id(segments))
+                forward.split = state
+            block = self.blocks[index]
+            chunked = block.__dict__.get("forward")
+            chunked = chunked if hasattr(chunked, "chunks_for") else None
+            runner.run_block(state, index, block, args["transformer_options"], chunked)
+            self.blocks_run += 1
+            # whoever sees h next must see all of it: the model after the last block, a foreign
+            # patch around this block or the next one
+            outside = forward.foreign_outside
+            if last or index in outside or index + 1 in outside:
+                runner.gather(state)
+                forward.split = None
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            raise SequenceFailure(forward.seq_len) from exc
+        return h_SC
+
+    # ------------------------------------------------------------------ wrappers
+    def diffusion_model_wrapper(self) -> Callable:
+        def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
+            options = kwargs.get("transformer_options")
+            if options is None and len(args) > 3 and isinstance(args[3], dict):
+                options = args[3]
+            if not isinstance(options, dict):
+                return executor(*args, **kwargs)
+            with device_current(self.devices[0]):
+                try:
+                    self.begin_forward(options)
+                    try:
+                        return executor(*args, **kwargs)
+                    except SequenceFailure as failure:
+                        self.recover(failure.__cause__ or failure, failure.seq_len)
+                        self.begin_forward(options, forced=ParallelMode.OFF)
+                        return executor(*args, **kwargs)
+                finally:
+                    self.forward = None
+                    options.pop(PARALLEL_KEY, None)
+
+        wrapper.h3_multigpu_sequence = self  # type: ignore[attr-defined]
+        return wrapper
+
+    def outer_sample_wrapper(self) -> Callable:
+        def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                if not self.config.keep_weights:
+                    self.release()
+
+        return wrapper
+
+    def status(self) -> str:
+        split = self.split
+        helpers = ", ".join(str(d) for d in self.devices[1:])
+        rows = ":".join(f"{w:g}" for w in split.row_weights)
+        heads = "+".join(str(c) for c in split.head_counts)
+        return (f"sequence parallel {self.config.parallel.value}: root {self.devices[0]}, "
+                f"helpers {helpers}; rows {rows}, heads {heads} in chunks of >= "
+                f"{split.chunk_heads}; transport {'/'.join(sorted(self.modes))}; helper weights "
+                f"{self.config.helper_weights}; exact (row shares >= {split.exact_min_rows:,}, "
+                f"shorter steps run another way); mode chosen per step from the token count"
+                + (f"; {self.config.note}" if self.config.note else ""))
+
+
+class SequenceFailure(Exception):
+    """A helper could not take its share; the cause is chained. Carries the length."""
+
+    def __init__(self, seq_len: int):
+        super().__init__(f"sequence parallel failed at {seq_len} tokens")
+        self.seq_len = seq_len
+
+
+def _call(previous: Callable | None, args: dict, extra: dict) -> dict:
+    if previous is not None:
+        return previous(args, extra)
+    return extra["original_block"](args)
+
+
+def _decomposable(args: dict) -> bool:
+    """The block call the mode can split: the block's own attention, RoPE present, inference."""
+    if args.get("attention") is not None or args.get("rope_freqs") is None:
+        return False
+    return True
+
+
+def _dual_sage_in(options: dict) -> Any:
+    """Dual-Sage's sharded attention when its override is in the chain, else None."""
+    override = options.get("optimized_attention_override")
+    seen = 0
+    while override is not None and seen < 8:
+        sharded = getattr(override, "sharded", None)
+        if sharded is not None and hasattr(sharded, "plan"):
+            return sharded
+        override = getattr(override, "previous", None)
+        seen += 1
+    return None
+
+
+def _prefetch_in(options: dict) -> Any:
+    """Our prefetcher's state when its DIFFUSION_MODEL wrapper is in this forward's options."""
+    wrappers = options.get("wrappers", {}).get(DIFFUSION_MODEL, {})
+    for functions in wrappers.values():
+        for fn in functions:
+            prefetch = getattr(fn, "block_prefetch", None)
+            if prefetch is not None:
+                return prefetch
+    return None
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        cap = int(total * fraction(device)) - torch.cuda.memory_reserved(device)
+        free = min(free, cap)
+    return max(free, 0)
+
+
+def _ask_comfy_to_free(device: torch.device, nbytes: int) -> None:
+    """Let ComfyUI unload what it keeps on the helper (the text encoder) to make room."""
+    try:
+        import comfy.model_management as mm
+    except ImportError:
+        return
+    free_memory = getattr(mm, "free_memory", None)
+    if free_memory is not None:
+        with contextlib.suppress(Exception):  # advisory: our own check follows
+            free_memory(nbytes, device)
+
+
+def _wrapper_type(name: str, fallback: str) -> str:
+    try:
+        from comfy.patcher_extension import WrappersMP
+    except ImportError:
+        return fallback
+    return getattr(WrappersMP, name, fallback)
+
+
+def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) -> Any:
+    """A clone of `model_patcher` whose DiT blocks run split over GPUs by token rows."""
+    if not isinstance(config, SequenceParallelConfig):
+        raise ValueError(f"config must be a SequenceParallelConfig, got {type(config).__name__}")
+    diffusion_model = model_patcher.get_model_object("diffusion_model")
+    blocks = getattr(diffusion_model, "blocks", None)
+    if not blocks:
+        raise ValueError(f"{type(diffusion_model).__name__} has no DiT blocks; sequence parallel "
+                         "needs a MiniMax H3 model")
+    root = _root_device(model_patcher)
+    devices = resolve_devices(root, config.helpers)
+    mode = SequenceParallel(diffusion_model, model_patcher.model, devices, config)
+
+    patched = model_patcher.clone()
+    options = patched.model_options.setdefault("transformer_options", {})
+    existing = options.get("patches_replace", {}).get("dit", {})
+    for i in range(len(blocks)):
+        patched.set_model_patch_replace(mode.block_patch(i, existing.get(("double_block", i))),
+                                        "dit", "double_block", i)
+    patched.add_wrapper_with_key(_wrapper_type("DIFFUSION_MODEL", DIFFUSION_MODEL), WRAPPER_KEY,
+                                 mode.diffusion_model_wrapper())
+    patched.add_wrapper_with_key(_wrapper_type("OUTER_SAMPLE", OUTER_SAMPLE), WRAPPER_KEY,
+                                 mode.outer_sample_wrapper())
+    add_callback = getattr(patched, "add_callback_with_key", None)
+    if add_callback is not None:
+        try:
+            from comfy.patcher_extension import CallbacksMP
+            detach = getattr(CallbacksMP, "ON_DETACH", ON_DETACH)
+        except ImportError:
+            detach = ON_DETACH
+        add_callback(detach, WRAPPER_KEY, lambda *a, **k: mode.release())
+    to = patched.model_options["transformer_options"]
+    to["h3_multigpu"] = {**to.get("h3_multigpu", {}), "sequence": mode.status()}
+    return patched
+
+
+def get_sequence_parallel(model_patcher: Any) -> SequenceParallel | None:
+    """The mode installed on a patcher (its block patches carry it), if any."""
+    patches = model_patcher.model_options.get("transformer_options", {}).get(
+        "patches_replace", {}).get("dit", {})
+    for patch in patches.values():
+        while patch is not None:
+            mode = getattr(patch, "h3_multigpu_sequence", None)
+            if isinstance(mode, SequenceParallel):
+                return mode
+            patch = getattr(patch, "h3_multigpu_previous", None)
+    return None
+
+
+def predicted_speedup(seq_len: int, config: SequenceParallelConfig, devices: int,
+                      heads: int = 56) -> float:
+    """One GPU's block time over the sequence mode's (for status lines and reports)."""
+    speeds = list(config.gpu_speeds or [sizing.GPUSpeed()] * devices)
+    counts = sizing.split_counts(heads, [1.0] * devices)
+    link = sizing.LinkSpeed(gbps=config.link_gbps or DEFAULT_LINK[TransportMode.PEER])
+    one = sizing.one_gpu_block_ms(seq_len, speeds[0])
+    seq = sizing.sequence_block_ms(seq_len, speeds, counts, link)
+    return one / seq if seq > 0 and math.isfinite(seq) else 0.0

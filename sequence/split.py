@@ -1,0 +1,164 @@
+"""Who computes what: token rows and attention heads per device, as a declarative plan.
+
+`SequenceSplit.devices[0]` is the root (the GPU the DiT forward runs on; the residual stream
+comes from and returns to it). Each device owns one contiguous range of the packed token rows
+for the whole block loop (norms, modulation, projections, RoPE, FFN, gates: all per token) and
+one contiguous range of heads for attention, which it computes over every row. Rows follow the
+devices' throughput weights; heads too. Within a device, heads are attended in chunks of about
+`chunk_heads` (never fewer: a call's head count picks the attention kernel on some backends,
+and the measured exact range on H200 flash attention starts at 4 heads), so transfers of the next
+chunk overlap the attention of this one.
+
+Exactness needs each device's row share inside the range where the GEMM kernel does not change
+with the row count (cuBLAS on H200: >= 4096 rows, measured by the chunking work). `rows_for`
+returns None with a reason outside it; the caller then runs the step another way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..chunking.sizing import MIN_QUERY_TILES_PER_CALL
+
+EXACT_MIN_ROWS_GPU = 4096  # smallest row share whose GEMMs matched the full-length run on H200
+# CPU stand-ins (tests): MKL takes small-M paths for a few rows (1-3 rows differed on AVX2)
+EXACT_MIN_ROWS_CPU = 16
+DEFAULT_CHUNK_HEADS = 4
+
+
+def split_by_weights(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """Largest-remainder rounding of `total` in proportion to `weights` (sums to `total`)."""
+    if not weights or any(w <= 0 for w in weights):
+        raise ValueError(f"throughput weights {tuple(weights)} must all be > 0")
+    weight_sum = float(sum(weights))
+    exact = [total * w / weight_sum for w in weights]
+    counts = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], -i), reverse=True)
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def ranges_of(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    out, start = [], 0
+    for count in counts:
+        out.append((start, start + count))
+        start += count
+    return tuple(out)
+
+
+def head_chunks(start: int, stop: int, chunk_heads: int) -> tuple[tuple[int, int], ...]:
+    """[start, stop) cut into max(1, n // chunk_heads) near-equal chunks, none below chunk_heads
+    (unless the whole range is smaller): 28 heads by 4 -> 7 x 4; 14 by 4 -> 5, 5, 4; 7 -> one 7."""
+    n = stop - start
+    if n <= 0:
+        return ()
+    pieces = max(1, n // max(chunk_heads, 1))
+    return tuple((start + a, start + b) for a, b in ranges_of(split_by_weights(n, [1.0] * pieces)))
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Devices (root first), their throughput weights, heads per device, chunking of heads."""
+
+    devices: tuple[torch.device, ...]
+    row_weights: tuple[float, ...]
+    head_counts: tuple[int, ...]
+    chunk_heads: int = DEFAULT_CHUNK_HEADS
+    min_rows: int | None = None  # None: EXACT_MIN_ROWS_GPU on GPUs, _CPU on CPU stand-ins
+
+    def __post_init__(self) -> None:
+        n = len(self.devices)
+        if n < 2:
+            raise ValueError("sequence parallel needs the root and at least one helper device")
+        if len(self.row_weights) != n or len(self.head_counts) != n:
+            raise ValueError(f"{n} devices need {n} row weights and {n} head counts, got "
+                             f"{self.row_weights} and {self.head_counts}")
+        if any(c < 1 for c in self.head_counts):
+            raise ValueError(f"head split {self.head_counts} gives a device no heads; every "
+                             "device needs at least one head (use fewer GPUs)")
+        if any(w <= 0 for w in self.row_weights):
+            raise ValueError(f"row weights {self.row_weights} must all be > 0")
+        if self.chunk_heads < 1:
+            raise ValueError(f"chunk_heads={self.chunk_heads} must be >= 1")
+        real = [d for d in self.devices if d.type != "cpu"]
+        if len(set(real)) != len(real):
+            raise ValueError(f"the device list names a GPU twice: {[str(d) for d in self.devices]}")
+
+    @classmethod
+    def even(cls, devices: Sequence[torch.device], heads: int, **kwargs) -> SequenceSplit:
+        n = len(devices)
+        if heads % n:
+            raise ValueError(f"{heads} heads do not divide over {n} GPUs; use a GPU count that "
+                             f"divides {heads} (e.g. 2, 4, 7, 8 for H3's 56) or weights")
+        return cls(tuple(devices), (1.0,) * n, (heads // n,) * n, **kwargs)
+
+    @classmethod
+    def weighted(cls, devices: Sequence[torch.device], heads: int, weights: Sequence[float],
+                 **kwargs) -> SequenceSplit:
+        """Rows and heads both in proportion to `weights` (each device at least one head)."""
+        if len(weights) > heads:
+            raise ValueError(f"{len(weights)} devices for {heads} heads: use fewer GPUs")
+        counts = list(split_by_weights(heads, weights))
+        for i, c in enumerate(counts):  # no device without heads: take from the largest share
+            if c == 0:
+                donor = max(range(len(counts)), key=lambda j: counts[j])
+                counts[donor] -= 1
+                counts[i] = 1
+        return cls(tuple(devices), tuple(float(w) for w in weights), tuple(counts), **kwargs)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def heads(self) -> int:
+        return sum(self.head_counts)
+
+    @property
+    def root(self) -> torch.device:
+        return self.devices[0]
+
+    @property
+    def exact_min_rows(self) -> int:
+        if self.min_rows is not None:
+            return self.min_rows
+        if any(d.type == "cuda" for d in self.devices):
+            return EXACT_MIN_ROWS_GPU
+        return EXACT_MIN_ROWS_CPU
+
+    def head_ranges(self) -> tuple[tuple[int, int], ...]:
+        return ranges_of(self.head_counts)
+
+    def chunk_heads_for(self, seq_len: int) -> int:
+        """Heads per attention call at this length: `chunk_heads`, raised so every call keeps
+        at least MIN_QUERY_TILES_PER_CALL (head, 64-row query tile) work items. Fewer make flash
+        attention split the keys (split-KV), which changes the summation order."""
+        if not any(d.type == "cuda" for d in self.devices):
+            return self.chunk_heads  # CPU stand-ins: no split-KV kernels to avoid
+        tiles = max(1, -(-seq_len // 64))
+        return max(self.chunk_heads, -(-MIN_QUERY_TILES_PER_CALL // tiles))
+
+    def chunks_of(self, device_index: int, seq_len: int) -> tuple[tuple[int, int], ...]:
+        """Global [h0, h1) head chunks device `device_index` attends, in order."""
+        start, stop = self.head_ranges()[device_index]
+        return head_chunks(start, stop, self.chunk_heads_for(seq_len))
+
+    def rows_for(self, seq_len: int) -> tuple[tuple[int, int], ...]:
+        """Contiguous [a, b) row ranges per device for a sequence of `seq_len` rows."""
+        return ranges_of(split_by_weights(seq_len, self.row_weights))
+
+    def refusal(self, seq_len: int) -> str | None:
+        """Why a sequence of `seq_len` rows cannot run split exactly (None: it can)."""
+        shares = [b - a for a, b in self.rows_for(seq_len)]
+        low = self.exact_min_rows
+        if min(shares) < low:
+            return (f"{seq_len:,} tokens give a GPU only {min(shares):,} rows; row shares below "
+                    f"{low:,} may change the GEMM kernel (not bit-identical)")
+        return None
+
+    def describe(self) -> str:
+        rows = ":".join(f"{w:g}" for w in self.row_weights)
+        heads = "+".join(str(c) for c in self.head_counts)
+        return (f"{', '.join(str(d) for d in self.devices)}; rows by {rows}, heads {heads}, "
+                f"chunks of {self.chunk_heads}")
