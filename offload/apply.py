@@ -214,18 +214,12 @@ class BlockPrefetch:
         refiner = self.refiner_blocks * block_bytes
         other = module_bytes(model) - sum(module_bytes(m) for m in block_modules)
         budget = free + on_device - self.config.activation_reserve_bytes - other
-        if budget >= self.blocks * block_bytes + refiner:
-            return self.blocks  # everything fits: nothing streams
-        refiner_resident = 0 if self.config.stream_refiner else refiner
-        extra = self.refiner_blocks if self.config.stream_refiner else 0
-        best = 0
-        for resident in range(self.blocks):  # at least one block streams from here on
-            streamed = self.blocks - resident + extra
-            need = (resident * block_bytes + refiner_resident
-                    + sizing.slot_ring_bytes(block_bytes, self.config.lookahead, streamed))
-            if need <= budget:
-                best = resident
-        return best
+        if not self.config.stream_refiner:
+            budget -= refiner  # the refiner stays resident whatever streams
+        # the planner's arithmetic (offload.sizing): the refiner streams with the blocks
+        return sizing.resident_blocks_for_budget(
+            budget, blocks=self.blocks, block_bytes=block_bytes, lookahead=self.config.lookahead,
+            extra_streamed=self.refiner_blocks if self.config.stream_refiner else 0)
 
     def device_footprint_bytes(self) -> int:
         """What ComfyUI's loader really puts on the device for this model: its whole size

@@ -16,6 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 ALIGNMENT = 256  # bytes; every tensor of a block starts on this boundary in its flat buffer
+# a block's flat buffer exceeds its tensors' bytes by < ALIGNMENT per tensor (leaf); this covers
+# 256 leaves, several times what an H3 block has (quantized scales included)
+ARENA_SLACK_PER_BLOCK = 64 * 1024
 STAGING_BUFFERS = 2  # double-buffered: one is filled on the worker while the other is copied
 
 
@@ -130,25 +133,34 @@ def step_overhead_seconds(*, blocks: int, streamed: int, block_compute_s: float,
 
 
 def streamed_weight_vram_bytes(*, blocks: int, resident: int, block_bytes: int,
-                               lookahead: int) -> int:
-    """DiT block weights on the device: resident blocks plus the slot ring."""
+                               lookahead: int, extra_streamed: int = 0) -> int:
+    """DiT block weights on the device: resident blocks plus the slot ring.
+
+    `extra_streamed`: blocks outside the `blocks` (the token refiner's) that stream with them
+    when any of them streams, and stay resident when none does.
+    """
     streamed = blocks - resident
-    return resident * block_bytes + slot_ring_bytes(block_bytes, lookahead, streamed)
+    if streamed == 0:
+        return (blocks + extra_streamed) * block_bytes
+    return resident * block_bytes + slot_ring_bytes(block_bytes, lookahead,
+                                                    streamed + extra_streamed)
 
 
 def resident_blocks_for_budget(vram_budget_bytes: int, *, blocks: int, block_bytes: int,
-                               lookahead: int) -> int:
+                               lookahead: int, extra_streamed: int = 0) -> int:
     """Most blocks that can stay resident when block weights may use `vram_budget_bytes`.
 
     All blocks when they fit outright (no slots needed); otherwise the count that leaves room
     for the K + 1 slots; 0 when even the slots alone do not fit (the caller reports that).
+    `extra_streamed` as in `streamed_weight_vram_bytes`.
     """
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     best = 0
     for resident in range(blocks + 1):
         need = streamed_weight_vram_bytes(blocks=blocks, resident=resident,
-                                          block_bytes=block_bytes, lookahead=lookahead)
+                                          block_bytes=block_bytes, lookahead=lookahead,
+                                          extra_streamed=extra_streamed)
         if need <= vram_budget_bytes:
             best = resident
     return best
