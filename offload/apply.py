@@ -138,7 +138,6 @@ class BlockPrefetch:
         self.streamed_ids: frozenset[str] = frozenset()
         self._weights_token: Any = None
         self.comfy_lowvram_modules = 0  # modules ComfyUI's own lowvram load casts on use
-        self.prepares = 0
 
     @property
     def base_model(self) -> torch.nn.Module:
@@ -247,7 +246,6 @@ class BlockPrefetch:
             self.streamer.invalidate()
             self._weights_token = token
         self.streamer.prepare()
-        self.prepares += 1
 
     def _claim_model(self) -> None:
         """Another prefetcher (other settings) on this model lets go of its host copies."""
@@ -284,10 +282,11 @@ class BlockPrefetch:
     def on_load(self, patcher: Any) -> None:
         """After ComfyUI's loader: note whether its own lowvram partial load streams too."""
         model = patcher.model
+        was = self.comfy_lowvram_modules
         self.comfy_lowvram_modules = sum(
             1 for m in model.modules() if getattr(m, "comfy_cast_weights", False)) \
             if getattr(model, "model_lowvram", False) else 0
-        if self.comfy_lowvram_modules and self.streamed_ids:
+        if self.comfy_lowvram_modules and self.streamed_ids and not was:
             log.warning("block prefetch: VRAM is short of the plan; ComfyUI's lowvram partial "
                         "load also streams %d modules (cast on each use)",
                         self.comfy_lowvram_modules)

@@ -32,7 +32,7 @@ from . import sizing
 from .arena import HostArena, HostBuffer, StagingRing
 from .engine import CopyEngine, make_engine, root_device
 from .slots import SlotRing
-from .weights import BlockWeights, aliases, give_private_storage
+from .weights import BlockWeights
 
 log = logging.getLogger(__name__)
 
@@ -205,16 +205,6 @@ class BlockStreamer:
             return False
         self.registrations += 1
         return True
-
-    def detach_if_bound(self, block_id: str, tensor: torch.Tensor) -> bool:
-        """Give `tensor` its own storage if it lives in `block_id`'s host copy (the loader is
-        about to back it up and overwrite the host copy's bytes)."""
-        host = self.host.get(block_id)
-        if host is not None and aliases(tensor, host.flat):
-            give_private_storage(tensor)
-            self.detached_backups += 1
-            return True
-        return False
 
     # ------------------------------------------------------------------ hooks
     def begin(self, block_id: str) -> None:
