@@ -1,9 +1,13 @@
 """Dual-Sage benchmark: one attention call and one full twin denoising step, one GPU vs two.
 
 Run on a machine with two GPUs (root cuda:1 as in production, helper cuda:0):
-    python bench/bench_dual_sage.py --out $OUT/dual_sage.json
-Every ratio is against the single-GPU run of the same backend in the same process. Attention
-inputs are H3's strided `[1, 56, S, 128]` views of a `[S, 21504]` bf16 qkv buffer.
+    COMFYUI_PATH=/path/to/ComfyUI python bench/bench_dual_sage.py --out $OUT/dual_sage.json
+Dual-Sage shards the attention function ComfyUI would run: with COMFYUI_PATH importable, the
+call bench runs ComfyUI's own `attention_pytorch` (SDPA under ComfyUI's backend priority) on every
+head subset; without it, the pack's `sdpa` backend (the row says which). Every ratio is against
+the single-GPU call of the same function in the same process. Attention inputs are H3's strided
+`[1, 56, S, 128]` views of a `[S, 21504]` bf16 qkv buffer. The step bench runs the twin's full
+PASS2 forward (its attention: PyTorch SDPA), plain vs Dual-Sage with the default settings.
 `--dry-run` runs every code path on the CPU with tiny sizes (fake devices).
 """
 
@@ -14,6 +18,7 @@ import contextlib
 import datetime
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,8 +34,10 @@ from h3_multigpu.dual_sage import (
     TransportMode,
     apply_dual_sage,
 )
-from h3_multigpu.kernels import attention, get_backend, list_backends
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
+from h3_multigpu.dual_sage.apply import per_heads
+from h3_multigpu.kernels import list_backends
+from h3_multigpu.kernels.comfy_calling import backend_function
+from h3_multigpu.twin import TwinConfig, TwinPatcher, comfyui_attention, make_inputs, make_twin
 
 GIB = 1 << 30
 SIZES = (15_399, 35_305, 68_706, 102_107)
@@ -72,31 +79,64 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def comfyui_function() -> tuple[object | None, str]:
+    """ComfyUI's `attention_pytorch` from $COMFYUI_PATH, or None and why not."""
+    root = os.environ.get("COMFYUI_PATH")
+    if not root:
+        return None, "COMFYUI_PATH unset"
+    try:
+        sys.path.insert(0, root)
+        import comfy.cli_args
+        import comfy.options  # noqa: F401  (sys.argv is not parsed)
+
+        if not torch.cuda.is_available():
+            comfy.cli_args.args.cpu = True  # a dry run: ComfyUI's CPU mode
+        from comfy.ldm.modules import attention as comfy_attention
+    except Exception as exc:  # any import failure: fall back, and say so in the rows
+        return None, f"ComfyUI not importable: {type(exc).__name__}: {exc}"
+    return comfy_attention.attention_pytorch, "ComfyUI attention_pytorch"
+
+
+def attention_functions(names: list[str], root: torch.device) -> dict[str, tuple[object, str]]:
+    """{row name: (function in ComfyUI's convention, what it is)}."""
+    available = {r.name: r.available for r in list_backends()}
+    out = {}
+    for name in names:
+        if name == "comfyui":
+            function, what = comfyui_function()
+            out[name] = (function, what) if function is not None else (
+                backend_function("sdpa"), f"pack sdpa ({what})")
+        elif available.get(name) and (name == "sdpa" or root.type == "cuda"):
+            out[name] = (backend_function(name), f"pack {name}")
+    return out
+
+
 def bench_attention(args, root, helper, heads, head_dim, dtype, sizes) -> list[dict]:
     rows = []
-    available = {r.name: r.available for r in list_backends()}
-    backends = [b for b in args.backends.split(",")
-                if available.get(b) and (b == "sdpa" or root.type == "cuda")]
+    functions = attention_functions(args.backends.split(","), root)
     for seq_len in sizes:
         views = strided_qkv(seq_len, heads, head_dim, dtype, root)
-        for backend in backends:
-            if get_backend(backend).violations(*views):
+        for backend, (function, what) in functions.items():
+            chosen = getattr(function, "backend", None)
+            if chosen is not None and chosen.violations(*views):
                 continue
             reps = args.reps if seq_len < 60_000 else max(3, args.reps - 2)
             single_ms, single = timed_ms(
-                lambda b=backend, t=views: attention(*t, backend=b, output="BSF"), (root,), reps)
-            transports = [TransportMode.PEER, TransportMode.HOST] if backend == "sdpa" \
+                lambda f=function, t=views: f(*t, heads, skip_reshape=True), (root,), reps)
+            attend = per_heads(function, {"skip_reshape": True})
+            transports = [TransportMode.PEER, TransportMode.HOST] if backend == "comfyui" \
                 else [TransportMode.PEER]
             variants = [(t, c) for t in transports for c in args.chunk_heads]
             for transport, chunk_heads in variants:
                 shard = ShardedAttention(ShardPlan((root, helper), (heads // 2, heads // 2)),
-                                         backend=backend, transport=transport, min_tokens=0,
+                                         transport=transport, min_tokens=0,
                                          chunk_heads=chunk_heads)
-                shard(*views)  # allocates the workspace (and pinned slots) once
+                shard(*views, attend)  # allocates the workspace (and pinned slots) once
                 reset_peak(helper)
-                split_ms, out = timed_ms(lambda s=shard, t=views: s(*t), (root, helper),
-                                         reps)
-                row = dict(S=seq_len, backend=backend, transport=transport.value,
+                split_ms, out = timed_ms(lambda s=shard, t=views, a=attend: s(*t, a),
+                                         (root, helper), reps)
+                row = dict(S=seq_len, backend=backend, function=what,
+                           transport=transport.value,
                            chunk_heads=chunk_heads,
                            single_ms=round(single_ms, 2), split_ms=round(split_ms, 2),
                            speedup=round(single_ms / split_ms, 3),
@@ -117,7 +157,24 @@ def bench_attention(args, root, helper, heads, head_dim, dtype, sizes) -> list[d
 
 
 def bench_step(args, root, helper) -> dict:
-    """One denoising step (forward of the whole DiT), plain vs Dual-Sage on the same model."""
+    """One denoising step (forward of the whole DiT), plain vs Dual-Sage on the same model.
+
+    With ComfyUI importable the twin's attention goes through ComfyUI's own dispatch (its
+    `optimized_attention`: SDPA under its backend priority on CUDA), as upstream H3's does.
+    """
+    function, what = comfyui_function()
+    with contextlib.ExitStack() as stack:
+        if function is not None:
+            from comfy.ldm.modules import attention as comfy_attention
+
+            stack.enter_context(comfyui_attention(comfy_attention))
+            what = f"ComfyUI optimized_attention ({comfy_attention.optimized_attention.__name__})"
+        else:
+            what = f"twin attention_pytorch ({what})"
+        return _bench_step(args, root, helper, what)
+
+
+def _bench_step(args, root, helper, what: str) -> dict:
     if args.dry_run:
         cfg = TwinConfig.tiny()
         model = make_twin(cfg, device=root)
@@ -138,18 +195,19 @@ def bench_step(args, root, helper) -> dict:
     base = TwinPatcher(model, load_device=root)
     plain = base
     backend = args.step_backend
-    if backend != "sdpa":
+    if backend != "comfyui":
         # the single-GPU baseline runs the same kernel, installed as the model's attention
         plain = base.clone()
+        kernel = backend_function(backend)
         plain.set_model_optimized_attention(
-            lambda func, q, k, v, heads, **kw: attention(q, k, v, backend=backend, output="BSF"))
+            lambda func, q, k, v, heads, **kw: kernel(q, k, v, heads, **kw))
     helpers = ("cpu",) if root.type == "cpu" else (str(helper),)
     dual = apply_dual_sage(base, DualSageConfig(helpers=helpers, backend=backend,
                                                 min_tokens=0 if args.dry_run else None))
     results = {}
     outputs = {}
     cases = [("single", plain), ("dual_sage", dual)]
-    if backend != "sdpa":
+    if backend != "comfyui":
         cases.insert(0, ("single_sdpa", base))
     for name, patcher in cases:
         patcher.apply_model(*small)  # kernels and handles warm, without the big allocations
@@ -166,7 +224,10 @@ def bench_step(args, root, helper) -> dict:
     identical = all(torch.equal(a, b) for a, b in zip(outputs["single"], outputs["dual_sage"],
                                                       strict=True))
     status = dual.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
-    row = dict(backend=backend, blocks=cfg.blocks, tokens_video_audio=seq,
+    routes = dict(dual.model_options["transformer_options"][
+        "optimized_attention_override"].sharded.routes)
+    row = dict(backend=backend, function=what, blocks=cfg.blocks, tokens_video_audio=seq,
+               routes=routes,
                text_len=dims["text_len"],
                single_sdpa_ms=round(results.get("single_sdpa", results["single"]), 1),
                single_ms=round(results["single"], 1), dual_sage_ms=round(results["dual_sage"], 1),
@@ -204,9 +265,12 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--chunk-heads", type=lambda t: [int(x) for x in t.split(",")],
                         default=[4], help="helper heads per transfer chunk, e.g. 4 or 2,4,7,14")
-    parser.add_argument("--backends", default="sdpa,ck_int8")
-    parser.add_argument("--step-backend", default="sdpa",
-                        help="attention backend of the step (single GPU and Dual-Sage alike)")
+    parser.add_argument("--backends", default="comfyui,ck_int8",
+                        help="comfyui (ComfyUI's attention_pytorch, else the pack's sdpa) and "
+                             "pack backends")
+    parser.add_argument("--step-backend", default="comfyui",
+                        help="attention of the step: comfyui (the model's own, sharded) or a "
+                             "pack backend (single GPU and Dual-Sage alike)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.dry_run:

@@ -27,6 +27,7 @@ class ActivationLoRA:
                  multiplier: float = 1.0):
         self.weights = (up_OR, down_RI, alpha, None, None, None)
         self.multiplier = multiplier
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def scale(self) -> float:
@@ -36,9 +37,23 @@ class ActivationLoRA:
 
     def h(self, x: torch.Tensor, base_out: torch.Tensor) -> torch.Tensor:
         """up(down(x)) * scale, [rows, out]; the down output [rows, r] is transient."""
-        up, down = self.weights[0].to(x.dtype), self.weights[1].to(x.dtype)
+        up, down = self._weights_like(x)
         out = F.linear(F.linear(x, down), up)
         return out.mul_(self.scale)
+
+    def _weights_like(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up, down) on x's device and dtype, cast once per device/dtype.
+
+        The adapter is attached where the linear's weight is when it is made (ComfyUI builds
+        models on the offload device), and the model moves to its load device (cuda:1 next to
+        the helper's cuda:0) afterwards: the activations' device is the one to compute on.
+        """
+        up, down = self.weights[0], self.weights[1]
+        cast = self._cast
+        if cast is None or cast[0].device != x.device or cast[0].dtype != x.dtype:
+            cast = (up.to(device=x.device, dtype=x.dtype), down.to(device=x.device, dtype=x.dtype))
+            self._cast = cast
+        return cast
 
     def g(self, y: torch.Tensor) -> torch.Tensor:
         return y

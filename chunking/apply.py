@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..nodes.device_guard import guard_diffusion_model
 from .block import ChunkedBlockForward
 from .config import ChunkingConfig
 
@@ -23,8 +24,9 @@ def apply_activation_chunking(model_patcher: Any, config: ChunkingConfig) -> Any
     """A clone of `model_patcher` whose H3 DiT blocks run FFN/QKV row chunks and head groups.
 
     Installs `diffusion_model.blocks.N.forward` object patches (methods, never modules, so
-    weight and LoRA keys are untouched) through the patcher's public `add_object_patch`; works on
-    ComfyUI's ModelPatcher and on the twin's `TwinPatcher`. Attention still goes through the H3
+    weight and LoRA keys are untouched) through the patcher's public `add_object_patch`, and the
+    DiT device guard (`nodes.device_guard`); works on ComfyUI's ModelPatcher and on the twin's
+    `TwinPatcher`. Attention still goes through the H3
     module's `optimized_attention`, so attention overrides (Dual-Sage) apply per head group.
     Everything is checked before the clone is patched: a `ValueError` names the problem.
     """
@@ -61,4 +63,6 @@ def apply_activation_chunking(model_patcher: Any, config: ChunkingConfig) -> Any
     options = patcher.model_options.setdefault("transformer_options", {})
     options["h3_multigpu"] = {**options.get("h3_multigpu", {}),
                               "chunking": config.status(len(blocks), heads)}
-    return patcher
+    # the chunked blocks call comfy-kitchen and the bypass adapters like the plain ones: they
+    # must run with the DiT's GPU current, whatever ComfyUI left current
+    return guard_diffusion_model(patcher)

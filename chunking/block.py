@@ -7,7 +7,8 @@ that keeps the big intermediates chunk-sized:
     qkv = qkv_proj(h) row chunk by row chunk into one [S, 3I] buffer (LoRA/bypass adapters run
           inside each chunk's call, so their extra output is chunk-sized); h is dropped here
     q/k RMSNorm + RoPE in place; attention over g heads per `optimized_attention` call into one
-          [S, I] buffer (any attention override sees each group as a call with g heads)
+          [S, I] buffer (any attention override sees each group as a call with g heads; groups
+          are balanced and, on short sequences, enlarged: `sizing.head_groups`)
     x  += gate_msa * out_proj(out)  per row chunk, clipped to the modulation segments
     h   = scale_shift(norm2(x))
     x  += gate_mlp * mlp(h)          per row chunk (fc1 -> SwiGLU -> fc2 through the block's own
@@ -15,7 +16,9 @@ that keeps the big intermediates chunk-sized:
 
 Row chunking is exact because each output row of a linear, of SwiGLU and of the gated add
 depends on its own input row only; head groups are exact because attention heads are
-independent. All rows of h are computed before any chunk updates x. Legend: S tokens, C hidden,
+independent. All rows of h are computed before any chunk updates x. On a GPU "exact" also needs
+the same kernels as the unchunked call: see the floors in `sizing` (EXACT_MIN_ROWS,
+EXACT_MIN_HEADS) and `sizing.exactness_note`. Legend: S tokens, C hidden,
 H heads, D head dim, I = H*D, g heads per attention call.
 """
 
@@ -169,11 +172,11 @@ class ChunkedBlockForward:
         q_BHSD = q[0].transpose(0, 1).unsqueeze(0)
         k_BHSD = k[0].transpose(0, 1).unsqueeze(0)
         v_BHSD = v.view(s, heads, dim).transpose(0, 1).unsqueeze(0)
-        if not head_group:
+        groups = sizing.head_groups(heads, head_group, s)
+        if len(groups) <= 1:
             return self._call_attention(q_BHSD, k_BHSD, v_BHSD, heads, transformer_options)[0]
         out_SI = torch.empty((s, inner), dtype=qkv_SN.dtype, device=qkv_SN.device)
-        for h0 in range(0, heads, head_group):
-            h1 = min(h0 + head_group, heads)
+        for h0, h1 in groups:
             part = self._call_attention(q_BHSD[:, h0:h1], k_BHSD[:, h0:h1], v_BHSD[:, h0:h1],
                                         h1 - h0, transformer_options)
             out_SI[:, h0 * dim:h1 * dim].copy_(part[0])

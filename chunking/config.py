@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .sizing import exactness_note
+
 AUTO = "auto"
 ChunkValue = int | Literal["auto"]
 _FIELDS = ("ffn_chunk", "qkv_chunk", "head_group")
@@ -48,6 +50,9 @@ class ChunkingConfig:
     ffn_chunk: rows per fc1 -> SwiGLU -> fc2 chunk. qkv_chunk: rows per qkv projection chunk
     (LoRA/bypass adapters included) and per out_proj chunk. head_group: heads per attention call.
     0 = off; "auto" sizes it at run time from the memory free on the block's device (off on CPU).
+    Chunks of at least `sizing.EXACT_MIN_ROWS` rows and groups of at least
+    `sizing.EXACT_MIN_HEADS` heads are exact on the GPU ("auto" stays there); smaller explicit
+    values run as asked and the status says they may differ at bf16 rounding.
     blocks: DiT block indices to patch (None = all). headroom_bytes: kept free by "auto" for
     fragmentation, cuBLAS workspaces and weight casts.
     """
@@ -128,5 +133,6 @@ class ChunkingConfig:
 
         where = (f"all {block_count} blocks" if self.blocks is None
                  else f"blocks {','.join(map(str, self.blocks))}")
+        note = exactness_note(self.ffn_chunk, self.qkv_chunk, self.head_group)
         return (f"on ({where}): ffn {show('ffn_chunk', 'rows')}, qkv {show('qkv_chunk', 'rows')}"
-                f", attention {show('head_group', 'heads/call')}; exact")
+                f", attention {show('head_group', 'heads/call')}; {note}")

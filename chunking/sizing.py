@@ -38,14 +38,22 @@ MLP_KERNELS = ("twin", "comfy", "comfy_int8")
 ROW_ALIGN = 128  # chunk rows are rounded to GEMM tile multiples so every chunk is a full-tile GEMM
 LSE_BYTES = 4  # SDPA's logsumexp is fp32 [H, S]
 HEAD_GROUP_CANDIDATES = (28, 16, 8, 4)
-# "auto" never goes below this many rows per chunk: on an H200, chunks of ~3,400 rows and more
-# kept cuBLAS on the unchunked call's GEMM kernels (bit-identical), while chunks of ~1,000-2,300
-# rows did not (max |diff| 0.03 in bf16). Explicit smaller chunks are allowed, and documented.
-MIN_AUTO_CHUNK_ROWS = 4096
+# Exactness floors. A chunked GEMM equals the unchunked one bit for bit only while cuBLAS keeps the
+# same kernel (same K-reduction order): on an H200, bf16 chunks of ~3,400 rows and more did, chunks
+# of ~800-2,300 rows did not (max |diff| 0.016-0.031 in bf16 through the model). A requested chunk
+# at or above EXACT_MIN_ROWS is therefore never realised below it (`row_chunks`); smaller explicit
+# chunks are honoured and reported as "may differ at bf16 rounding".
+# `bench/sweep_chunk_exactness.py` measures these floors on the GPU at hand.
+EXACT_MIN_ROWS = 4096
+MIN_AUTO_CHUNK_ROWS = EXACT_MIN_ROWS  # "auto" and the planner never chunk rows below the floor
 # A call with few heads x few query tiles makes flash attention split the keys across blocks
 # (split-KV), which changes the summation order: head groups are exact only while every call
 # keeps enough (head, 64-row query tile) work items; 1024 covers twice the SMs of any GPU here.
+# A requested group of at least EXACT_MIN_HEADS heads is realised with fewer, larger groups where
+# the sequence is too short for that (`head_groups`).
+EXACT_MIN_HEADS = 4
 MIN_QUERY_TILES_PER_CALL = 1024
+QUERY_TILE_ROWS = 64
 GiB = 1 << 30
 
 
@@ -54,16 +62,25 @@ def row_chunks(total: int, chunk: int) -> list[tuple[int, int]]:
 
     Balanced: n = ceil(total / chunk) chunks of nearly equal size (multiples of ROW_ALIGN where
     that leaves the tail at least half a chunk), so no tiny tail chunk falls back to a small-M
-    GEMM kernel. `chunk <= 0` or `chunk >= total` gives one range.
+    GEMM kernel. `chunk <= 0` or `chunk >= total` gives one range. A chunk of at least
+    EXACT_MIN_ROWS is never realised below that floor: where balancing would go under it, fewer
+    (and so larger than `chunk`, by less than the floor) chunks are used, one range at the least.
     """
     if total <= 0:
         return []
     if chunk <= 0 or chunk >= total:
         return [(0, total)]
     n = -(-total // chunk)
+    floor = EXACT_MIN_ROWS if chunk >= EXACT_MIN_ROWS else 0
+    if floor and total // n < floor:
+        n = max(1, total // floor)
+        if n == 1:
+            return [(0, total)]
+    limit = max(chunk, -(-total // n))
     even = -(-total // n)
     aligned = -(-even // ROW_ALIGN) * ROW_ALIGN
-    if aligned <= chunk and total - aligned * (n - 1) >= aligned // 2:
+    tail = total - aligned * (n - 1)
+    if aligned <= limit and tail >= max(aligned // 2, floor, 1):
         return [(start, min(start + aligned, total)) for start in range(0, total, aligned)]
     base, extra = divmod(total, n)  # the first `extra` chunks take one row more
     bounds = [i * base + min(i, extra) for i in range(n + 1)]
@@ -73,6 +90,60 @@ def row_chunks(total: int, chunk: int) -> list[tuple[int, int]]:
 def largest_chunk_rows(total: int, chunk: int) -> int:
     """Rows of the largest range `row_chunks(total, chunk)` produces (what sets the peak)."""
     return max((b - a for a, b in row_chunks(total, chunk)), default=0)
+
+
+def query_tiles(tokens: int) -> int:
+    """(64-row) query tiles per head of one attention call over `tokens` rows."""
+    return -(-tokens // QUERY_TILE_ROWS)
+
+
+def head_groups(heads: int, group: int, tokens: int) -> list[tuple[int, int]]:
+    """[h0, h1) head ranges of the attention calls for `group` heads per call (0 = one call).
+
+    Balanced: ceil(heads / group) calls whose sizes differ by one head at most, so no tail
+    call of one or two heads splits its keys (split-KV) where the others do not. A group of at
+    least EXACT_MIN_HEADS is never realised with fewer heads than that, nor with fewer than
+    MIN_QUERY_TILES_PER_CALL (head, query tile) work items per call: on short sequences fewer,
+    larger groups (or one call) are used. Smaller explicit groups are honoured as given.
+    """
+    if heads <= 0:
+        return []
+    if group <= 0 or group >= heads:
+        return [(0, heads)]
+    n = -(-heads // group)
+    if group >= EXACT_MIN_HEADS:
+        per_call = max(EXACT_MIN_HEADS, -(-MIN_QUERY_TILES_PER_CALL // max(query_tiles(tokens), 1)))
+        n = min(n, heads // per_call)
+        if n <= 1:
+            return [(0, heads)]
+    base, extra = divmod(heads, n)
+    bounds = [i * base + min(i, extra) for i in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def largest_head_group(heads: int, group: int, tokens: int) -> int:
+    """Heads of the largest call `head_groups(heads, group, tokens)` makes (0 = one call)."""
+    ranges = head_groups(heads, group, tokens)
+    return 0 if len(ranges) <= 1 else max(b - a for a, b in ranges)
+
+
+def exactness_note(ffn_chunk: int | str, qkv_chunk: int | str, head_group: int | str) -> str:
+    """'exact', or what may make chunked results differ from unchunked ones at bf16 rounding.
+
+    Rows: chunks of at least EXACT_MIN_ROWS (or "auto", which never goes below) keep cuBLAS on
+    the unchunked call's kernels. Heads: groups of at least EXACT_MIN_HEADS keep flash attention
+    free of split-KV (`head_groups` enlarges them on short sequences). Both floors were measured
+    on an H200; `bench/sweep_chunk_exactness.py` measures them on other GPUs.
+    """
+    small = [f"{name} chunks of {value} rows (< {EXACT_MIN_ROWS})"
+             for name, value in (("ffn", ffn_chunk), ("qkv", qkv_chunk))
+             if isinstance(value, int) and 0 < value < EXACT_MIN_ROWS]
+    if isinstance(head_group, int) and 0 < head_group < EXACT_MIN_HEADS:
+        small.append(f"{head_group} heads per attention call (< {EXACT_MIN_HEADS})")
+    if not small:
+        return "exact"
+    return (f"may differ from unchunked at bf16 rounding: {', '.join(small)} can change the GPU "
+            f"kernels")
 
 
 @dataclass(frozen=True)
@@ -159,9 +230,10 @@ def attention_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *,
     x = h = s * c * e
     qkv = s * 3 * i * e
     attn_out = s * i * e
-    group = head_group if 0 < head_group < dims.heads else 0
+    requested = head_group if 0 < head_group < dims.heads else 0
+    group = largest_head_group(dims.heads, requested, s)  # what `head_groups` realises
     norm1 = x + h + int(kernels.norm_temp_bytes * s * c)
-    if not qkv_chunk and not group:  # the upstream Attention.forward, h alive throughout
+    if not qkv_chunk and not requested:  # the upstream Attention.forward, h alive throughout
         a1 = x + h + linear_call_bytes(s, 3 * i, adapters.qkv, adapters.rank, e)
         a2 = x + h + qkv + _attention_call_bytes(s, dims.heads, dims, kernels)
         a3 = x + h + attn_out + linear_call_bytes(s, c, adapters.out_proj, adapters.rank, e)
@@ -287,8 +359,10 @@ def choose_chunks(free_bytes: int, tokens: int, dims: BlockDims = BlockDims(), *
     `headroom_fraction` of it and `headroom_bytes` back for fragmentation, cuBLAS workspaces and
     weight casts. A value given for ffn_chunk / qkv_chunk / head_group is kept; None chooses it.
     Preference, because each step costs a little more launches than the one before: no chunking;
-    FFN rows (largest fitting chunk); QKV rows; then fewer heads per attention call. `fits` is
-    False when even the smallest settings exceed the budget (the most aggressive are returned).
+    FFN rows (largest fitting chunk); QKV rows; then fewer heads per attention call. Only exact
+    settings are chosen: row chunks of at least EXACT_MIN_ROWS, head groups of at least
+    EXACT_MIN_HEADS that keep MIN_QUERY_TILES_PER_CALL. `fits` is False when even the smallest
+    of those exceed the budget (the most aggressive are returned).
     """
     _check(tokens)
     if not isinstance(free_bytes, int) or free_bytes < 0:
@@ -304,15 +378,15 @@ def choose_chunks(free_bytes: int, tokens: int, dims: BlockDims = BlockDims(), *
         return value - resident <= budget
 
     rows = _row_candidates(tokens, granule)
-    # short sequences (tests, tiny twins) may still split into up to 8 chunks
-    floor = min(MIN_AUTO_CHUNK_ROWS, -(-tokens // 8))
-    rows = rows[:1] + [r for r in rows[1:] if r >= floor]
+    # never below the exactness floor: a short sequence is not row-chunked by "auto" at all
+    rows = rows[:1] + [r for r in rows[1:] if r >= EXACT_MIN_ROWS]
     ffn_options = [ffn_chunk] if ffn_chunk is not None else [0] + rows[1:]
     qkv_options = [qkv_chunk] if qkv_chunk is not None else [0] + rows[1:]
-    tiles = -(-tokens // 64)
+    tiles = query_tiles(tokens)
     group_options = ([head_group] if head_group is not None else
                      [0] + [g for g in HEAD_GROUP_CANDIDATES
-                            if g < dims.heads and g * tiles >= MIN_QUERY_TILES_PER_CALL])
+                            if EXACT_MIN_HEADS <= g < dims.heads
+                            and g * tiles >= MIN_QUERY_TILES_PER_CALL])
     # the phases are independent: FFN rows only move the MLP peak, QKV rows and head groups only
     # the attention peak (the chunked block's M0 moment is the same for any chunk setting)
     chunked = any((ffn_chunk, qkv_chunk, head_group))

@@ -12,8 +12,9 @@ import difflib
 from typing import Any
 
 from ..geometry import validate_canvas, validate_frames
+from . import editor
 from .errors import Problem, WorkflowError
-from .workflow import ApiPrompt, combo_options, describe_node, input_spec
+from .workflow import ApiPrompt, combo_options, describe_node
 
 FRAME_INPUTS = ("length", "frames", "num_frames", "frame_count")
 MODEL_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
@@ -70,6 +71,34 @@ def _check_link(prompt: ApiPrompt, object_info: dict, where: str, name: str, lin
     return []
 
 
+def expanded_inputs(info: dict, inputs: dict) -> dict[str, tuple[Any, dict, bool]]:
+    """name -> (type, options, required) of every input a node has given its live inputs, as
+    the server expands them: a DynamicCombo adds its chosen option's inputs as `combo.input`,
+    an Autogrow input stands for its slots `name.prefixN` (the first `min` required)."""
+    out: dict[str, tuple[Any, dict, bool]] = {}
+
+    def walk(entry: dict, prefix: str) -> None:
+        for name, kind, opts, optional in editor.declared_inputs(entry):
+            full = prefix + name
+            if kind == editor.AUTOGROW:
+                template = opts.get("template") or {}
+                slot_kind = editor.autogrow_type(opts)
+                slot_opts = next(iter(((template.get("input") or {}).get("required") or {})
+                                      .values()), [None, {}])
+                slot_opts = slot_opts[1] if len(slot_opts) > 1 else {}
+                minimum = int(template.get("min", 0))
+                for index, slot in enumerate(editor.autogrow_names(full, opts)):
+                    out[slot] = (slot_kind, slot_opts, index < minimum and not optional)
+                continue
+            out[full] = (kind, opts, not optional)
+            if kind == editor.DYNAMIC_COMBO and full in inputs:
+                option = editor.dynamic_option_inputs(opts, inputs[full])
+                walk({"input": option}, full + ".")
+
+    walk(info, "")
+    return out
+
+
 def check_prompt(prompt: ApiPrompt, object_info: dict) -> list[Problem]:
     """Every problem of `prompt` against `object_info` and H3 geometry (empty when fine)."""
     problems: list[Problem] = []
@@ -82,23 +111,22 @@ def check_prompt(prompt: ApiPrompt, object_info: dict) -> list[Problem]:
             close = difflib.get_close_matches(str(class_type), list(object_info), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             problems.append(Problem(where, f"class '{class_type}' is not installed on the "
-                                    f"server{hint}; install the node pack that provides it or "
-                                    f"update ComfyUI"))
+                                    f"server{hint}; {missing_class_fix(str(class_type))}"))
             continue
         has_output = has_output or bool(info.get("output_node"))
         inputs = node.get("inputs") or {}
-        required = (info.get("input") or {}).get("required", {})
-        for name in required:
-            if name not in inputs:
+        declared = expanded_inputs(info, inputs)
+        for name, (_kind, _opts, required) in declared.items():
+            if required and name not in inputs:
                 problems.append(Problem(where, f"required input '{name}' is missing; connect "
                                         f"or set it (a workflow saved by a newer ComfyUI may "
                                         f"name it differently: update the server)"))
         for name, value in inputs.items():
-            spec = input_spec(info, name) or input_spec(info, name.split(".", 1)[0])
+            spec = declared.get(name)
             if spec is None:
                 if name in (info.get("input") or {}).get("hidden", {}):
                     continue
-                known = sorted({**required, **(info.get("input") or {}).get("optional", {})})
+                known = sorted(n for n in declared if "." not in n)
                 problems.append(Problem(where, f"input '{name}' does not exist on {class_type} "
                                         f"(inputs: {', '.join(known) or 'none'}); the node "
                                         f"changed upstream: re-export the workflow"))
@@ -106,13 +134,32 @@ def check_prompt(prompt: ApiPrompt, object_info: dict) -> list[Problem]:
             if isinstance(value, list):
                 problems += _check_link(prompt, object_info, where, name, value)
             else:
-                problems += _check_input(where, name, value, *spec)
+                problems += _check_input(where, name, value, spec[0], spec[1])
         if is_h3_class(str(class_type)):
             problems += _check_geometry(where, inputs)
     if prompt and not has_output and not any(p.message.startswith("class ") for p in problems):
         problems.append(Problem("graph", "no output node (SaveVideo, SaveImage, ...): the "
                                 "server would run nothing; add one"))
     return problems
+
+
+# What a missing class means for the bundled H3 workflows, and what to do about it.
+NEEDS_H3 = ("a ComfyUI with the MiniMax H3 nodes (ComfyUI#15224 or newer; update ComfyUI)")
+MISSING_FIXES = {
+    "MiniMaxH3LatentUpscaleWithModel": "this ComfyUI predates core's learned latent upscale; "
+                                       "use this pack's 'H3 Latent Upscale' with 'H3 Load Latent "
+                                       "Upscaler' (the bundled workflows do), or update ComfyUI",
+}
+
+
+def missing_class_fix(class_type: str) -> str:
+    if class_type in MISSING_FIXES:
+        return MISSING_FIXES[class_type]
+    if "MiniMaxH3" in class_type:
+        return f"this workflow needs {NEEDS_H3}"
+    if class_type.startswith("H3MultiGPU"):
+        return "install or update this pack (comfyui-h3-multigpu) on the server"
+    return "install the node pack that provides it or update ComfyUI"
 
 
 def _check_geometry(where: str, inputs: dict) -> list[Problem]:

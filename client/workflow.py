@@ -3,8 +3,14 @@
 API format is `{node_id: {"class_type", "inputs", "_meta": {"title"}}}` with links written as
 `["node_id", output_index]`. UI format (what the ComfyUI editor saves) has `nodes` and `links`
 lists and stores widget values positionally in `widgets_values`; mapping them to input names
-needs the server's `/object_info`, whose `input_order` gives the order in which the editor
-creates widgets.
+needs the server's `/object_info` and the editor's widget order (`editor.py`).
+
+`ui_to_api` converts the way the editor's own `graphToPrompt()` (frontend 1.58) does, so the
+result is the graph the editor would queue: subgraphs are expanded (inner nodes get ids
+`"<subgraph node id>:<inner id>"`, promoted widgets give their values to the inner inputs,
+links through the subgraph's inputs and outputs reach the real nodes), DynamicCombo widgets
+become `format` plus `format.codec`, Autogrow slots keep their `ref_images.ref_image_0` names,
+notes and reroutes disappear, muted nodes are dropped, bypassed nodes pass their inputs on.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import editor
 from .errors import Problem, WorkflowError
 
 ApiPrompt = dict[str, dict[str, Any]]
@@ -21,10 +28,8 @@ ApiPrompt = dict[str, dict[str, Any]]
 UI_ONLY_TYPES = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
 MODE_MUTED = 2  # "never": the node and everything only it feeds are left out
 MODE_BYPASSED = 4  # the node is skipped, its inputs are passed through to matching outputs
-# The editor adds a "control after generate" widget after seed-like values; its value is one of
-# these and belongs to no input.
-CONTROL_VALUES = frozenset({"fixed", "increment", "decrement", "randomize"})
-WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
+SUBGRAPH_INPUT_NODE = -10  # link origin inside a subgraph: one of the subgraph's inputs
+SUBGRAPH_OUTPUT_NODE = -20  # link target inside a subgraph: one of its outputs
 
 
 def load_workflow(source: str | Path | dict) -> dict:
@@ -85,51 +90,200 @@ def input_spec(info: dict, name: str) -> tuple[Any, dict] | None:
 
 
 def combo_options(kind: Any, opts: dict) -> list | None:
-    """Offered values of a combo input: old style `[[...], {}]`, new `["COMBO", {"options"}]`."""
+    """Offered values of a combo input: old style `[[...], {}]`, new `["COMBO", {"options"}]`,
+    or the keys of a DynamicCombo."""
     if isinstance(kind, list):
         return kind
     if kind == "COMBO":
         return list(opts.get("options") or [])
+    if kind == editor.DYNAMIC_COMBO:
+        return editor.combo_keys(opts)
     return None
-
-
-def is_widget(kind: Any, opts: dict) -> bool:
-    if opts.get("forceInput"):
-        return False
-    return isinstance(kind, list) or kind in WIDGET_TYPES
 
 
 def widget_names(info: dict) -> list[str]:
     """Input names that are widgets, in the order the editor stores their values."""
-    declared = info.get("input") or {}
-    order = info.get("input_order") or {
-        section: list(declared.get(section, {})) for section in ("required", "optional")
-    }
-    names = []
-    for section in ("required", "optional"):
-        for name in order.get(section, []):
-            spec = input_spec(info, name)
-            if spec is not None and is_widget(*spec):
-                names.append(name)
-    return names
+    return [w.input for w in editor.widgets(info) if w.input]
 
 
-def _has_control_widget(name: str, kind: Any, opts: dict) -> bool:
-    return bool(opts.get("control_after_generate")) or (
-        kind == "INT" and name in ("seed", "noise_seed")
-    )
+def api_sort_key(node_id: str) -> tuple:
+    """Node ids in the order the converter and the bundled API files list them:
+    "12" < "12:3" < "12:10" < "13" (ids that are not numbers go last, by name)."""
+    parts = str(node_id).split(":")
+    if all(part.isdigit() for part in parts):
+        return (0, *(int(part) for part in parts))
+    return (1, str(node_id))
 
 
-def _links_by_id(ui: dict) -> dict[int, tuple[int, int, str]]:
-    """link id -> (origin node id, origin slot, type); both serialisations of the editor."""
+def _links_by_id(graph: dict) -> dict[int, tuple[Any, int, Any, int, str]]:
+    """link id -> (origin id, origin slot, target id, target slot, type); both forms."""
     links = {}
-    for link in ui.get("links") or []:
+    for link in graph.get("links") or []:
         if isinstance(link, dict):
-            links[link["id"]] = (link["origin_id"], link["origin_slot"], link.get("type", "*"))
+            links[link["id"]] = (link["origin_id"], link["origin_slot"], link.get("target_id"),
+                                 link.get("target_slot"), link.get("type", "*"))
         else:
-            link_id, origin, slot, _target, _target_slot, kind = link[:6]
-            links[link_id] = (origin, slot, kind)
+            link_id, origin, slot, target, target_slot, kind = link[:6]
+            links[link_id] = (origin, slot, target, target_slot, kind)
     return links
+
+
+def _subgraph_definitions(ui: dict) -> dict[str, dict]:
+    """Every subgraph definition by id (root `definitions` and nested ones)."""
+    found: dict[str, dict] = {}
+    pending = list((ui.get("definitions") or {}).get("subgraphs") or [])
+    while pending:
+        sub = pending.pop()
+        if sub.get("id") in found:
+            continue
+        found[sub["id"]] = sub
+        pending += (sub.get("definitions") or {}).get("subgraphs") or []
+    return found
+
+
+class _Scope:
+    """One graph being converted: the root, or a subgraph seen through its instance node."""
+
+    def __init__(self, graph: dict, prefix: str, instance: dict | None, parent: _Scope | None,
+                 label: str):
+        self.graph = graph
+        self.prefix = prefix  # "" at the root, "12:" inside subgraph node 12
+        self.instance = instance  # the subgraph node in the parent graph
+        self.parent = parent
+        self.label = label
+        self.nodes = {node["id"]: node for node in graph.get("nodes") or []}
+        self.links = _links_by_id(graph)
+
+    def api_id(self, node_id: Any) -> str:
+        return f"{self.prefix}{node_id}"
+
+    def promoted_value(self, input_index: int) -> tuple[bool, Any]:
+        """(True, value) when subgraph input `input_index` is a promoted widget with a value."""
+        inputs = self.instance.get("inputs") or []
+        if input_index >= len(inputs) or not inputs[input_index].get("widget"):
+            return False, None
+        slot = inputs[input_index]
+        named = self.instance.get("widgets_values_named")
+        values = self.instance.get("widgets_values")
+        promoted = [i for i in inputs if i.get("widget")]
+        if isinstance(values, list) and len(values) == len(promoted):
+            return True, values[promoted.index(slot)]
+        if isinstance(named, dict) and slot["widget"]["name"] in named:
+            return True, named[slot["widget"]["name"]]
+        return False, None
+
+
+class _Converter:
+    def __init__(self, ui: dict, object_info: dict):
+        self.object_info = object_info
+        self.definitions = _subgraph_definitions(ui)
+        self.problems: list[Problem] = []
+        self.prompt: ApiPrompt = {}
+        self.root = _Scope(ui, "", None, None, "")
+
+    def where(self, scope: _Scope, node: dict) -> str:
+        title = node.get("title") or node.get("type")
+        inside = f" in subgraph '{scope.label}'" if scope.label else ""
+        return f"node #{scope.api_id(node['id'])} '{title}' ({node.get('type')}){inside}"
+
+    # ------------------------------------------------------------------ link resolution
+    def resolve(self, scope: _Scope, link_id: Any, depth: int = 0) -> Any:
+        """A link as the editor sends it: ["id", slot], ("value", v) for a promoted widget,
+        or None when its source is muted, missing or editor-only."""
+        if link_id not in scope.links or depth > 64:
+            return None
+        origin_id, slot, _target, _target_slot, kind = scope.links[link_id]
+        if origin_id == SUBGRAPH_INPUT_NODE:
+            if scope.instance is None:
+                return None
+            promoted, value = scope.promoted_value(slot)
+            if promoted:
+                return ("value", value)
+            outer = (scope.instance.get("inputs") or [])
+            if slot >= len(outer) or outer[slot].get("link") is None:
+                return None
+            return self.resolve(scope.parent, outer[slot]["link"], depth + 1)
+        origin = scope.nodes.get(origin_id)
+        if origin is None:
+            return None
+        kind_of = origin.get("type")
+        if kind_of == "PrimitiveNode":
+            return "widget"  # the target keeps the value in its own widgets_values
+        if kind_of == "Reroute" or origin.get("mode") == MODE_BYPASSED:
+            upstream = _pass_through_link(origin, slot, kind)
+            return None if upstream is None else self.resolve(scope, upstream, depth + 1)
+        if origin.get("mode") == MODE_MUTED or kind_of in UI_ONLY_TYPES:
+            return None
+        if kind_of in self.definitions:
+            inner = self.scope_of(scope, origin)
+            outputs = self.definitions[kind_of].get("outputs") or []
+            if slot >= len(outputs):
+                return None
+            for inner_link in outputs[slot].get("linkIds") or []:
+                return self.resolve(inner, inner_link, depth + 1)
+            return None
+        return [scope.api_id(origin_id), slot]
+
+    def scope_of(self, scope: _Scope, instance: dict) -> _Scope:
+        sub = self.definitions[instance["type"]]
+        label = instance.get("title") or sub.get("name") or instance["type"]
+        return _Scope(sub, f"{scope.api_id(instance['id'])}:", instance, scope, label)
+
+    # ------------------------------------------------------------------ nodes
+    def convert(self, scope: _Scope) -> None:
+        for node in scope.graph.get("nodes") or []:
+            kind = node.get("type")
+            if kind in UI_ONLY_TYPES or node.get("mode") in (MODE_MUTED, MODE_BYPASSED):
+                continue
+            if kind in self.definitions:
+                if (node.get("properties") or {}).get("proxyWidgets"):
+                    self.problems.append(Problem(self.where(scope, node), "its promoted widgets "
+                                                 "use an older editor's format (proxyWidgets); "
+                                                 "open the workflow in the editor and save it"))
+                self.convert(self.scope_of(scope, node))
+                continue
+            if str(kind).startswith(("workflow>", "workflow/")):
+                self.problems.append(Problem(self.where(scope, node), "legacy group nodes are "
+                                             "not supported; convert it to a subgraph in the "
+                                             "editor or export the workflow in API format"))
+                continue
+            self.convert_node(scope, node)
+
+    def convert_node(self, scope: _Scope, node: dict) -> None:
+        kind = node.get("type")
+        info = self.object_info.get(kind)
+        inputs: dict[str, Any] = {}
+        if info is None:
+            self.problems.append(Problem(self.where(scope, node), f"class '{kind}' is not "
+                                         "installed on the server; install the node pack that "
+                                         "provides it (or update ComfyUI)"))
+        else:
+            values = editor.widget_values_by_input(info, node.get("widgets_values"))
+            for widget in editor.widgets(info, values):
+                if widget.input is not None:
+                    inputs[widget.input] = values.get(
+                        widget.input, editor.default_value(widget.kind, widget.options))
+        for slot in node.get("inputs") or []:
+            if slot.get("link") is None:
+                continue
+            target = self.resolve(scope, slot["link"])
+            if target == "widget":
+                continue
+            if isinstance(target, tuple):  # a promoted widget's value
+                inputs[slot["name"]] = target[1]
+            elif target is None:
+                # Source muted or missing: the input stays unset (or keeps its widget value)
+                # and validation reports it if it was required.
+                continue
+            else:
+                inputs[slot["name"]] = target
+        title = node.get("title") or (info or {}).get("display_name") or kind
+        meta: dict[str, Any] = {"title": title}
+        cnr = (node.get("properties") or {}).get("cnr_id")
+        if isinstance(cnr, str) and cnr:
+            meta["cnr_id"] = cnr  # the editor passes the node pack's id along
+        self.prompt[scope.api_id(node["id"])] = {"inputs": inputs, "class_type": kind,
+                                                 "_meta": meta}
 
 
 def ui_to_api(ui: dict, object_info: dict) -> ApiPrompt:
@@ -137,67 +291,20 @@ def ui_to_api(ui: dict, object_info: dict) -> ApiPrompt:
 
     Notes, Markdown notes and Reroutes are dropped (reroutes resolved to their source); muted
     nodes are dropped with the links they feed; bypassed nodes pass an input of the same type
-    through. Subgraphs and legacy group nodes are refused: export API format from the editor.
+    through; subgraphs are expanded as the editor queues them.
     """
-    nodes = {node["id"]: node for node in ui.get("nodes", [])}
-    links = _links_by_id(ui)
-    subgraph_ids = {sg.get("id") for sg in (ui.get("definitions") or {}).get("subgraphs") or []}
-    problems: list[Problem] = []
-
-    def where(node: dict) -> str:
-        title = node.get("title") or node.get("type")
-        return f"node #{node['id']} '{title}' ({node.get('type')})"
-
-    def resolve(link_id: int, depth: int = 0) -> tuple[str, int] | str | None:
-        """Follow a link to a real output: ("id", slot), "widget" (a PrimitiveNode) or None."""
-        if link_id not in links or depth > len(nodes):
-            return None
-        origin_id, slot, kind = links[link_id]
-        origin = nodes.get(origin_id)
-        if origin is None:
-            return None
-        if origin.get("type") == "PrimitiveNode":
-            return "widget"  # the target keeps the value in its own widgets_values
-        if origin.get("type") == "Reroute" or origin.get("mode") == MODE_BYPASSED:
-            upstream = _pass_through_link(origin, slot, kind)
-            return None if upstream is None else resolve(upstream, depth + 1)
-        if origin.get("mode") == MODE_MUTED or origin.get("type") in UI_ONLY_TYPES:
-            return None
-        return str(origin_id), slot
-
-    prompt: ApiPrompt = {}
-    for node in nodes.values():
-        kind = node.get("type")
-        if kind in UI_ONLY_TYPES or node.get("mode") in (MODE_MUTED, MODE_BYPASSED):
-            continue
-        if kind in subgraph_ids or str(kind).startswith(("workflow>", "workflow/")):
-            problems.append(Problem(where(node), "subgraphs and group nodes are not supported; "
-                                    "unpack it in the editor (right click > Unpack Subgraph) or "
-                                    "export the workflow in API format"))
-            continue
-        info = object_info.get(kind)
-        inputs: dict[str, Any] = {}
-        if info is None:
-            problems.append(Problem(where(node), f"class '{kind}' is not installed on the "
-                                    "server; install the node pack that provides it"))
-        else:
-            inputs.update(_widget_inputs(node, info))
-        for slot in node.get("inputs") or []:
-            if slot.get("link") is None:
-                continue
-            target = resolve(slot["link"])
-            if target == "widget":
-                continue
-            if target is None:
-                # Source muted or missing: the input stays unset (or keeps its widget value)
-                # and validation reports it if it was required.
-                continue
-            inputs[slot["name"]] = [target[0], target[1]]
-        title = node.get("title") or (info or {}).get("display_name") or kind
-        prompt[str(node["id"])] = {"class_type": kind, "inputs": inputs, "_meta": {"title": title}}
-    if problems:
-        raise WorkflowError(problems, "the UI workflow cannot be converted to API format")
-    return prompt
+    converter = _Converter(ui, object_info)
+    converter.convert(converter.root)
+    if converter.problems:
+        raise WorkflowError(converter.problems, "the UI workflow cannot be converted to API "
+                            "format")
+    prompt = converter.prompt
+    # Links into nodes that were left out (muted, missing) are dropped, as the editor does.
+    for node in prompt.values():
+        for name, value in list(node["inputs"].items()):
+            if isinstance(value, list) and len(value) == 2 and str(value[0]) not in prompt:
+                del node["inputs"][name]
+    return dict(sorted(prompt.items(), key=lambda item: api_sort_key(item[0])))
 
 
 def _pass_through_link(node: dict, out_slot: int, kind: str) -> int | None:
@@ -214,25 +321,3 @@ def _pass_through_link(node: dict, out_slot: int, kind: str) -> int | None:
         if inputs[index].get("link") is not None:
             return inputs[index]["link"]
     return None
-
-
-def _widget_inputs(node: dict, info: dict) -> dict:
-    values = node.get("widgets_values")
-    if isinstance(values, dict):  # some packs save widgets by name
-        return {name: values[name] for name in widget_names(info) if name in values}
-    values = list(values or [])
-    inputs = {}
-    position = 0
-    for name in widget_names(info):
-        if position >= len(values):
-            break
-        inputs[name] = values[position]
-        position += 1
-        kind, opts = input_spec(info, name) or (None, {})
-        if (
-            _has_control_widget(name, kind, opts)
-            and position < len(values)
-            and values[position] in CONTROL_VALUES
-        ):
-            position += 1
-    return inputs

@@ -11,6 +11,9 @@ from typing import Any
 _LAZY = {
     "DualSageConfig": "apply",
     "DualSageOverride": "apply",
+    "ShardingFunction": "apply",
+    "RecordAttentionModule": "apply",
+    "ExactRange": "exactness",
     "apply_dual_sage": "apply",
     "status_text": "apply",
     "ShardPlan": "shard_plan",

@@ -1,22 +1,34 @@
 """ComfyUI seam: `DualSageConfig` and `apply_dual_sage(model_patcher, config)`.
 
-Installs, on a clone of the patcher, (1) an `optimized_attention_override` in
-`transformer_options` that runs H3's attention calls through `ShardedAttention`, and (2) a
-DIFFUSION_MODEL wrapper that makes the root GPU current while the DiT runs (ComfyUI's
-`current_stream(device)` returns the *current* device's stream, so a DiT on cuda:1 needs cuda:1
-current).
+Installs, on a clone of the patcher, through public hooks only:
+1. an `optimized_attention_override` in `transformer_options` that shards each H3 attention
+   call's heads over the GPUs, running on every head subset THE FUNCTION COMFYUI WOULD HAVE RUN
+   (`ShardingFunction`): the module's preferred attention (`ComfyAttention.function`, e.g. a
+   checkpoint's `comfy_attention.config` selecting comfy-kitchen int8) when set, else the
+   `func` ComfyUI hands the override (its default: sub-quadratic on CPU, SDPA with ComfyUI's
+   backend priority on CUDA, or sage/flash/xformers per its flags);
+2. a `("double_block", i)` replace patch per DiT block (chaining a patch already there) that
+   records which attention module is running: ComfyUI's `wrap_attn` pops `preferred_attention`
+   before it calls an override, so the override reads the module's `comfy_attention` here;
+3. a DIFFUSION_MODEL wrapper that makes the root GPU current while the DiT runs;
+4. ComfyUI ON_CLEANUP / ON_DETACH callbacks that free the helper workspaces and forget helper
+   failures after each sampling run and when the model is unloaded.
 
-Chaining: an override already installed keeps priority. Ours calls it with our sharded function
-as its `func`, so it still sees every call (logging, a different kernel for masked calls, ...)
-and decides whether to call through to the shard. Calls the shard cannot take (a mask, the
-`[B, S, H*D]` layout, unknown positional extras) go to ComfyUI's own `func` unchanged, with
-every keyword passed on.
+Chaining, both directions:
+- an override installed BEFORE Dual-Sage keeps priority: it is called with a `ShardingFunction`
+  as its `func`, so it sees every call and decides; calling through shards ComfyUI's function,
+  and an override that wants its own kernel sharded calls `func.with_function(kernel)` (our
+  SageAttention node does);
+- an override installed AFTER Dual-Sage calls us with its own function: we shard that one.
+Calls the shard cannot take (a mask, the `[B, S, H*D]` layout, unknown positional extras) go to
+the chosen function unchanged, with every keyword passed on.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +37,23 @@ import torch
 from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
 from ..kernels import backend_names
+from ..kernels.comfy_calling import backend_function
 from . import sizing
+from .exactness import ExactRange
 from .shard_plan import ShardPlan, parse_devices, parse_split, validate_devices
-from .sharded import ShardedAttention
+from .sharded import Attend, ShardedAttention, warn_once
+
+log = logging.getLogger(__name__)
 
 WRAPPER_KEY = "h3_multigpu_dual_sage"
+OVERRIDE_KEY = "optimized_attention_override"
+COMFYUI_FUNCTION = "comfyui"  # backend value: shard whatever ComfyUI would run (the default)
 DEFAULT_LINK_GBPS = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
 DEFAULT_TFLOPS = 550.0  # bf16 attention of one current GPU; only the ratio between GPUs matters
+
+# the attention module of the DiT block running now (set by the block patches below)
+_running_attention: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "h3_multigpu_running_attention", default=None)
 
 
 @dataclass
@@ -40,18 +62,22 @@ class DualSageConfig:
 
     helpers: helper devices ("cuda:0", ...) or None for every other visible GPU.
     split: "auto" (equal), head counts "28:28" (root first) or throughputs "1.0:0.7".
-    backend: attention backend name of `kernels` ("sdpa", "ck_int8", ...).
+    backend: "comfyui" (shard the function ComfyUI would run: exact) or a `kernels` backend
+        name ("sdpa", "ck_int8", ...) chosen explicitly.
     min_tokens: calls shorter than this stay on the root; None chooses from the link.
     transport: "auto" (peer when possible), "peer" or "host" (pinned host relay).
+    exact_only: split only inside the measured bit-exact range (`exactness`); False splits
+        every call above min_tokens (approximate in the last bits where it is outside).
     """
 
     helpers: tuple[str, ...] | None = None
     split: str = "auto"
-    backend: str = "sdpa"
+    backend: str = COMFYUI_FUNCTION
     min_tokens: int | None = None
     transport: TransportMode | str = TransportMode.AUTO
     chunk_heads: int = sizing.DEFAULT_CHUNK_HEADS
     ring_slots: int = sizing.DEFAULT_RING_SLOTS
+    exact_only: bool = True
     heads: int = 56  # used when the model does not say
 
     def __post_init__(self) -> None:
@@ -61,9 +87,10 @@ class DualSageConfig:
             except ValueError:
                 raise ValueError(f"transport {self.transport!r} is unknown; use 'auto', 'peer' "
                                  "or 'host'") from None
-        if self.backend not in backend_names():
-            raise ValueError(f"attention backend {self.backend!r} is unknown; use one of "
-                             f"{backend_names()}")
+        self.backend = self.backend.strip()
+        if self.backend != COMFYUI_FUNCTION and self.backend not in backend_names():
+            raise ValueError(f"attention backend {self.backend!r} is unknown; use "
+                             f"{COMFYUI_FUNCTION!r} or one of {backend_names()}")
         if self.min_tokens is not None and self.min_tokens < 0:
             raise ValueError(f"min_tokens={self.min_tokens} must be >= 0 (or 'auto')")
         if self.chunk_heads < 1 or self.ring_slots < 1:
@@ -73,8 +100,9 @@ class DualSageConfig:
             self.helpers = tuple(str(d) for d in self.helpers)
 
     @classmethod
-    def from_strings(cls, helpers: str = "auto", split: str = "auto", backend: str = "sdpa",
-                     min_tokens: str | int = "auto", transport: str = "auto") -> DualSageConfig:
+    def from_strings(cls, helpers: str = "auto", split: str = "auto",
+                     backend: str = COMFYUI_FUNCTION, min_tokens: str | int = "auto",
+                     transport: str = "auto", exact_only: bool = True) -> DualSageConfig:
         """What a node passes: helpers "auto"|"gpu:0,gpu:2", min_tokens "auto"|int."""
         devices = parse_devices(helpers)
         if isinstance(min_tokens, str):
@@ -96,13 +124,20 @@ class DualSageConfig:
             entries = len(split.replace(",", ":").split(":"))
             parse_split(split, cls.heads, 1 + len(devices) if devices else max(2, entries))
         return cls(helpers=None if devices is None else tuple(str(d) for d in devices),
-                   split=split, backend=backend.strip(), min_tokens=tokens, transport=transport)
+                   split=split, backend=backend, min_tokens=tokens, transport=transport,
+                   exact_only=bool(exact_only))
 
 
-def _model_heads(model_patcher: Any, default: int) -> int:
+def _diffusion_model(model_patcher: Any) -> Any:
+    with contextlib.suppress(AttributeError, KeyError):
+        return model_patcher.get_model_object("diffusion_model")
+    return None
+
+
+def _model_heads(diffusion_model: Any, default: int) -> int:
     """The DiT's attention head count (first block), or `default`."""
     with contextlib.suppress(AttributeError, IndexError, TypeError):
-        heads = model_patcher.get_model_object("diffusion_model").blocks[0].attn.heads
+        heads = diffusion_model.blocks[0].attn.heads
         if isinstance(heads, int):
             return heads
     return default
@@ -127,7 +162,7 @@ def build_sharded_attention(model_patcher: Any, config: DualSageConfig) -> Shard
         raise ValueError(f"Dual-Sage needs a helper GPU besides the root {root}; none is "
                          "visible (set helpers to e.g. 'gpu:0' or disable Dual-Sage)")
     validate_devices(root, helpers)
-    heads = _model_heads(model_patcher, config.heads)
+    heads = _model_heads(_diffusion_model(model_patcher), config.heads)
     counts = parse_split(config.split, heads, 1 + len(helpers))
     plan = ShardPlan(devices=(root, *helpers), head_counts=counts)
     min_tokens = config.min_tokens
@@ -136,9 +171,9 @@ def build_sharded_attention(model_patcher: Any, config: DualSageConfig) -> Shard
         min_tokens = sizing.choose_min_tokens(
             128, counts, link_gbps=DEFAULT_LINK_GBPS[mode], tflops=[DEFAULT_TFLOPS] * len(counts),
             chunk_heads=config.chunk_heads, host_relay=mode is TransportMode.HOST)
-    return ShardedAttention(plan, backend=config.backend, transport=config.transport,
-                            min_tokens=min_tokens, chunk_heads=config.chunk_heads,
-                            ring_slots=config.ring_slots)
+    return ShardedAttention(plan, transport=config.transport, min_tokens=min_tokens,
+                            chunk_heads=config.chunk_heads, ring_slots=config.ring_slots,
+                            exact_range=ExactRange.load() if config.exact_only else None)
 
 
 def _unwrap(value: Any) -> Any:
@@ -149,49 +184,157 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
-class DualSageOverride:
-    """`optimized_attention_override(func, q, k, v, heads, **kwargs)` running the shard."""
+def per_heads(function: Any, kwargs: dict[str, Any]) -> Attend:
+    """`attend(q, k, v)` for a head subset: `function` with the call's own keywords."""
 
-    def __init__(self, sharded: ShardedAttention, previous: Any = None):
+    def attend(q_BhSD: torch.Tensor, k_BhSD: torch.Tensor, v_BhSD: torch.Tensor
+               ) -> torch.Tensor:
+        b, h, s, d = q_BhSD.shape
+        out = function(q_BhSD, k_BhSD, v_BhSD, h, **kwargs)
+        if out.dim() == 4:  # skip_output_reshape: [B, h, S, D]
+            return out
+        return out.reshape(b, s, h, d).transpose(1, 2)
+
+    return attend
+
+
+class ShardingFunction:
+    """An attention function in ComfyUI's convention that shards `function` over the GPUs.
+
+    `with_function(other)` shards another function instead: the hook an override chained
+    under Dual-Sage uses to have its own kernel sharded.
+    """
+
+    def __init__(self, sharded: ShardedAttention, function: Any):
         self.sharded = sharded
-        self.previous = previous
+        self.function = function
 
-    def __call__(self, func: Any, q: Any, k: Any, v: Any, heads: int, *args: Any,
-                 **kwargs: Any) -> Any:
-        if self.previous is not None:
-            return self.previous(functools.partial(self.run, func), q, k, v, heads, *args,
-                                 **kwargs)
-        return self.run(func, q, k, v, heads, *args, **kwargs)
+    def with_function(self, function: Any) -> ShardingFunction:
+        return ShardingFunction(self.sharded, function)
 
-    def run(self, func: Any, q: Any, k: Any, v: Any, heads: int, *args: Any,
-            **kwargs: Any) -> Any:
-        """Shard when the call is H3's `[1, H, S, D]` unmasked attention, else `func`."""
+    def __call__(self, q: Any, k: Any, v: Any, heads: int, *args: Any, **kwargs: Any) -> Any:
+        """Shard when the call is H3's `[1, H, S, D]` unmasked attention, else `function`."""
         q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
         if not heads_allowed(kwargs.get("transformer_options")):
             # this step runs sequence-parallel (the call is already one GPU's head share) or on
-            # one GPU: ComfyUI's function, unchanged
-            return func(q, k, v, heads, *args, **kwargs)
+            # one GPU: the function ComfyUI would run, unsharded
+            return self.function(q, k, v, heads, *args, **kwargs)
         shardable = (not args and kwargs.get("mask") is None and kwargs.get("skip_reshape")
                      and q.dim() == 4 and q.shape[1] == heads and q.shape == k.shape == v.shape)
         if not shardable:
-            return func(q, k, v, heads, *args, **kwargs)
-        out_BSF = self.sharded(q, k, v)
+            return self.function(q, k, v, heads, *args, **kwargs)
+        out_BSF = self.sharded(q, k, v, per_heads(self.function, kwargs))
         if kwargs.get("skip_output_reshape"):
             b, h, s, d = q.shape
             return out_BSF.view(b, s, h, d).transpose(1, 2)
         return out_BSF
 
 
-def _diffusion_model_wrapper_type() -> str:
+class DualSageOverride:
+    """`optimized_attention_override(func, q, k, v, heads, **kwargs)` running the shard."""
+
+    def __init__(self, sharded: ShardedAttention, previous: Any = None,
+                 backend: str = COMFYUI_FUNCTION, diffusion_model: Any = None):
+        self.sharded = sharded
+        self.previous = previous
+        self.explicit_backend = backend
+        self.diffusion_model = diffusion_model
+
+    def __deepcopy__(self, memo) -> DualSageOverride:
+        # ComfyUI deep-copies model_options on clone: every clone shares this runtime (its
+        # streams and workspaces), as it shares the model
+        return self
+
+    def __call__(self, func: Any, q: Any, k: Any, v: Any, heads: int, *args: Any,
+                 **kwargs: Any) -> Any:
+        options = kwargs.get("transformer_options")
+        outermost = isinstance(options, dict) and options.get(OVERRIDE_KEY) is self
+        sharding = ShardingFunction(self.sharded, self.function_for(func, outermost))
+        if self.previous is not None:
+            return self.previous(sharding, q, k, v, heads, *args, **kwargs)
+        return sharding(q, k, v, heads, *args, **kwargs)
+
+    def function_for(self, func: Any, outermost: bool) -> Any:
+        """What ComfyUI would run for this call if Dual-Sage were not installed.
+
+        Called by a later override: `func`, that override's choice (as the SageAttention
+        node's kernel). Called by ComfyUI itself: an explicitly chosen backend (masked and
+        unsupported calls still go to `func`); else, with an earlier override chained, `func`
+        (overrides win over preferred attention in ComfyUI, and that override still picks
+        through `with_function`); else the running module's preferred attention when set,
+        else `func`.
+        """
+        if not outermost:
+            return func
+        if self.explicit_backend != COMFYUI_FUNCTION:
+            return backend_function(self.explicit_backend, fallback=func)
+        if self.previous is None:
+            preferred = self._preferred_function()
+            if preferred is not None:
+                return preferred
+        return func
+
+    def _preferred_function(self) -> Any:
+        module = _running_attention.get()
+        if module is not None:
+            return getattr(getattr(module, "comfy_attention", None), "function", None)
+        # a call outside the DiT blocks (none reach the override in ComfyUI today: the token
+        # refiner runs in extra_conds): the model's preferred attention when every module agrees
+        functions = {id(getattr(m.comfy_attention, "function", None)): m.comfy_attention.function
+                     for m in _attention_modules(self.diffusion_model)}
+        if len(functions) > 1:
+            warn_once("dual_sage", "Dual-Sage: an attention call outside the DiT blocks, and the "
+                                   "model's modules prefer different attention functions; using "
+                                   "ComfyUI's default function for it")
+            return None
+        return next(iter(functions.values()), None)
+
+
+def _attention_modules(diffusion_model: Any) -> list[Any]:
+    if diffusion_model is None:
+        return []
+    return [m for m in diffusion_model.modules() if hasattr(m, "comfy_attention")]
+
+
+class RecordAttentionModule:
+    """`("double_block", i)` replace patch: records block i's attention module while it runs.
+
+    Chains the patch that was there (offload's, a user's) or calls the original block. A patch
+    that passes its own `attention` module in `args` is honoured (upstream's DiTBlock takes one).
+    """
+
+    def __init__(self, attention_module: Any, previous: Any = None):
+        self.attention_module = attention_module
+        self.previous = previous
+
+    def __deepcopy__(self, memo) -> RecordAttentionModule:
+        return self  # holds the model's own module: never copied with model_options
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        passed = args.get("attention")
+        module = passed if hasattr(passed, "comfy_attention") else self.attention_module
+        token = _running_attention.set(module)
+        try:
+            if self.previous is not None:
+                return self.previous(args, extra)
+            return extra["original_block"](args)
+        finally:
+            _running_attention.reset(token)
+
+
+def _mp_names() -> tuple[str, str, str]:
+    """ComfyUI's names for the DIFFUSION_MODEL wrapper and the cleanup / detach callbacks."""
     try:
-        from comfy.patcher_extension import WrappersMP
-    except ImportError:
-        return "diffusion_model"  # the same value ComfyUI uses (and the twin honours)
-    return WrappersMP.DIFFUSION_MODEL
+        from comfy.patcher_extension import CallbacksMP, WrappersMP
+    except ImportError:  # the same values ComfyUI uses (the twin honours the wrapper)
+        return "diffusion_model", "on_cleanup", "on_detach_after"
+    return WrappersMP.DIFFUSION_MODEL, CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH
 
 
 def _root_current_wrapper(root: torch.device):
     def wrapper(executor, *args, **kwargs):
+        # nests with any other device guard (the placement's): entering the same device twice
+        # is harmless and each exit restores what was current before it
         if root.type != "cuda":
             return executor(*args, **kwargs)
         with torch.cuda.device(root):
@@ -200,25 +343,71 @@ def _root_current_wrapper(root: torch.device):
     return wrapper
 
 
+def _install_block_recorders(patched: Any, diffusion_model: Any) -> int:
+    blocks = getattr(diffusion_model, "blocks", None) or []
+    to = patched.model_options.get("transformer_options", {})
+    existing = to.get("patches_replace", {}).get("dit", {})
+    for i, block in enumerate(blocks):
+        attention = getattr(block, "attn", None)
+        if attention is None:
+            continue
+        previous = existing.get(("double_block", i))
+        patched.set_model_patch_replace(RecordAttentionModule(attention, previous), "dit",
+                                        "double_block", i)
+    return len(blocks)
+
+
 def apply_dual_sage(model_patcher: Any, config: DualSageConfig) -> Any:
     """A clone of `model_patcher` whose attention calls are head-sharded across GPUs."""
+    if config.backend != COMFYUI_FUNCTION:
+        backend_function(config.backend)  # ValueError now if this machine cannot run it
     sharded = build_sharded_attention(model_patcher, config)
     patched = model_patcher.clone()
+    diffusion_model = _diffusion_model(patched)
     options = patched.model_options.setdefault("transformer_options", {})
-    previous = options.get("optimized_attention_override")
-    options["optimized_attention_override"] = DualSageOverride(sharded, previous)
-    patched.add_wrapper_with_key(_diffusion_model_wrapper_type(), WRAPPER_KEY,
+    previous = options.get(OVERRIDE_KEY)
+    options[OVERRIDE_KEY] = DualSageOverride(sharded, previous, config.backend, diffusion_model)
+    _install_block_recorders(patched, diffusion_model)
+    wrapper_type, on_cleanup, on_detach = _mp_names()
+    patched.add_wrapper_with_key(wrapper_type, WRAPPER_KEY,
                                  _root_current_wrapper(sharded.plan.root))
+    if hasattr(patched, "add_callback_with_key"):
+        patched.add_callback_with_key(on_cleanup, WRAPPER_KEY, lambda *_: sharded.release())
+        patched.add_callback_with_key(on_detach, WRAPPER_KEY, lambda *_: sharded.release())
     to = patched.model_options["transformer_options"]
-    chained = ", chained after an existing override" if previous is not None else ""
-    to["h3_multigpu"] = {**to.get("h3_multigpu", {}), "dual_sage": status_text(sharded) + chained}
+    to["h3_multigpu"] = {**to.get("h3_multigpu", {}),
+                         "dual_sage": status_text(sharded, config, previous)}
     return patched
 
 
-def status_text(sharded: ShardedAttention) -> str:
-    """One line for the node's status output: devices, split, backend, transport, min_tokens."""
+def sage_node_words(backend: str) -> str:
+    return f"the H3 Sage Attention node's backend {backend}"
+
+
+def _function_words(config: DualSageConfig, previous: Any) -> str:
+    chosen = getattr(previous, "backend", None)
+    if isinstance(chosen, str):
+        return sage_node_words(chosen)
+    if config.backend != COMFYUI_FUNCTION:
+        return f"backend {config.backend} (chosen here)"
+    if previous is not None:
+        return "ComfyUI's attention, through the override installed before (chained)"
+    return "ComfyUI's attention (the checkpoint's preferred, else ComfyUI's default)"
+
+
+def status_text(sharded: ShardedAttention, config: DualSageConfig | None = None,
+                previous: Any = None, function: str | None = None) -> str:
+    """One line for the node's status output: devices, split, function, exactness, transport."""
+    function = function or _function_words(config or DualSageConfig(), previous)
     plan = sharded.plan
     modes = sorted({resolve(sharded.transport, plan.root, h).value for h in plan.helpers})
+    if sharded.exact_range is None:
+        exact = "split calls equal one GPU only where the function treats heads independently " \
+                "and keeps its kernel choice (not checked: exact_only off)"
+    else:
+        where = sharded.exact_range.describe(plan.root, torch.bfloat16, 128)
+        exact = (f"exact (same bits as one GPU) where the function treats heads independently; "
+                 f"splits only in its exact range: {where}")
     return (f"Dual-Sage on: root {plan.root}, helpers {', '.join(map(str, plan.helpers))}; "
-            f"heads {':'.join(map(str, plan.head_counts))}; backend {sharded.backend_name}; "
+            f"heads {':'.join(map(str, plan.head_counts))}; shards {function}; {exact}; "
             f"transport {'/'.join(modes)}; min_tokens {sharded.min_tokens}")

@@ -3,7 +3,8 @@
 Both transports take contiguous chunks only: a contiguous source lets the copy engines move it
 (a strided gather would need a copy kernel that waits for SMs the root's attention holds, which
 measured 1.04x instead of 1.9x on two H200s). Each send returns the event marking the chunk's
-arrival on the helper; each fetch returns the event after which the helper's slot is free.
+arrival on the helper; each fetch records, in the workspace, the event after which the helper's
+ring slot is free again.
 
 Legend: g heads in a chunk, S sequence, D head dim.
 """
@@ -14,7 +15,7 @@ import enum
 
 import torch
 
-from .streams import Event, Lane, on_streams, record, wait
+from .streams import Event, Lane, launch, record, wait
 from .workspace import Workspace
 
 
@@ -38,26 +39,28 @@ def resolve(mode: TransportMode, root: torch.device, helper: torch.device) -> Tr
     return mode
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor):
+    return lambda: dst.copy_(src, non_blocking=True)
+
+
 def send_chunk(mode: TransportMode, lane: Lane, ws: Workspace, chunk: int,
                slot_3gSD: torch.Tensor, send_3gSD: torch.Tensor) -> Event:
     """Copy a root chunk into a helper ring slot; returns the arrival event on `helper_in`."""
-    # the slot still holds the output of the chunk `ring_slots` earlier until it is fetched
+    # the slot still holds the output of the chunk `ring_slots` earlier until it is fetched:
+    # overwriting it sooner sends that chunk's q to the root instead of its output
     wait(lane.helper_in, ws.slot_free[chunk % ws.ring_slots])
     if mode is TransportMode.PEER:
-        with on_streams(lane.helper_in, lane.root_send):
-            slot_3gSD.copy_(send_3gSD, non_blocking=True)
+        launch((lane.helper_in, lane.root_send), _copy(slot_3gSD, send_3gSD))
         return record(lane.helper_in)
     relay = chunk % len(ws.pinned_in)
     pinned = ws.pinned_in[relay][: send_3gSD.numel()].view_as(send_3gSD)
     # the host slot is read by the previous upload from it; overwriting earlier corrupts it
     wait(lane.root_send, ws.pinned_in_free[relay])
-    with on_streams(lane.root_send):
-        pinned.copy_(send_3gSD, non_blocking=True)
+    launch((lane.root_send,), _copy(pinned, send_3gSD))
     downloaded = record(lane.root_send)
     # the upload must not start before the download into the host slot completed
     wait(lane.helper_in, downloaded)
-    with on_streams(lane.helper_in):
-        slot_3gSD.copy_(pinned, non_blocking=True)
+    launch((lane.helper_in,), _copy(slot_3gSD, pinned))
     ws.pinned_in_free[relay] = record(lane.helper_in)
     return record(lane.helper_in)
 
@@ -68,20 +71,17 @@ def fetch_chunk(mode: TransportMode, lane: Lane, ws: Workspace, chunk: int,
     # the output exists only once the helper's attention for this chunk has finished
     wait(lane.helper_out, computed)
     if mode is TransportMode.PEER:
-        with on_streams(lane.root_recv, lane.helper_out):
-            recv_gSD.copy_(out_gSD, non_blocking=True)
+        launch((lane.root_recv, lane.helper_out), _copy(recv_gSD, out_gSD))
         ws.slot_free[chunk % ws.ring_slots] = record(lane.helper_out)
         return
     relay = chunk % len(ws.pinned_out)
     pinned = ws.pinned_out[relay][: out_gSD.numel()].view_as(out_gSD)
     # the host slot is still being uploaded to the root from the previous use of it
     wait(lane.helper_out, ws.pinned_out_free[relay])
-    with on_streams(lane.helper_out):
-        pinned.copy_(out_gSD, non_blocking=True)
+    launch((lane.helper_out,), _copy(pinned, out_gSD))
     downloaded = record(lane.helper_out)
     ws.slot_free[chunk % ws.ring_slots] = downloaded
     # the root must not read the host slot before the helper's download landed in it
     wait(lane.root_recv, downloaded)
-    with on_streams(lane.root_recv):
-        recv_gSD.copy_(pinned, non_blocking=True)
+    launch((lane.root_recv,), _copy(recv_gSD, pinned))
     ws.pinned_out_free[relay] = record(lane.root_recv)

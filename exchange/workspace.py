@@ -1,10 +1,14 @@
-"""Buffers of one helper lane, allocated once per (S, heads, D, dtype) and reused across calls.
+"""Buffers of one helper lane, sized for the largest call seen and reused by every smaller one.
 
 Root side: `send` holds the helper's q|k|v chunk by chunk, each chunk one contiguous
 `[3, g, S, D]` block, and `recv` the helper's output `[h, S, D]`. Helper side: a ring of
-`ring_slots` chunk slots `[3, g, S, D]` (the chunk's output overwrites its q). Host relay only:
-two pinned upload and two pinned download slots. Memory is bounded by the ring, not by the
-helper's head count.
+chunk slots `[3, g, S, D]` (the chunk's output overwrites its q). Host relay only: two pinned
+upload and two pinned download slots. Memory is bounded by the ring, not by the helper's head
+count.
+
+Each call views the buffers with its own `WorkspaceKey`: a call that fits the capacity (the
+fewer heads of the last head group of activation chunking, a shorter sequence) reuses them, so
+uneven head groups (16, 16, 16, 8) do not reallocate twice per block; a larger call grows them.
 
 Legend: h helper heads, g heads per chunk, S sequence, D head dim.
 """
@@ -15,13 +19,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .streams import Event, Lane
+from .streams import Event, Lane, fresh
 
 HOST_RELAY_SLOTS = 2
 
 
 @dataclass(frozen=True)
 class WorkspaceKey:
+    """The shape of one call's share on one helper."""
+
     seq_len: int
     heads: int
     head_dim: int
@@ -30,12 +36,24 @@ class WorkspaceKey:
     ring_slots: int
     host_relay: bool
 
+    @property
+    def chunk_elems(self) -> int:
+        return 3 * self.chunk_heads * self.seq_len * self.head_dim
+
+    @property
+    def slots(self) -> int:
+        return min(self.ring_slots, -(-self.heads // self.chunk_heads))
+
+    @property
+    def send_elems(self) -> int:
+        return 3 * self.heads * self.seq_len * self.head_dim
+
 
 @dataclass
 class Workspace:
-    key: WorkspaceKey
+    key: WorkspaceKey  # the call the buffers are viewed for now
     send: torch.Tensor  # root, flat: chunk-major [3, g, S, D] blocks
-    recv: torch.Tensor  # root, [h, S, D]
+    recv_flat: torch.Tensor  # root, flat: [h, S, D]
     ring: list[torch.Tensor]  # helper, flat slots of 3*g*S*D
     pinned_in: list[torch.Tensor] = field(default_factory=list)
     pinned_out: list[torch.Tensor] = field(default_factory=list)
@@ -46,6 +64,24 @@ class Workspace:
     @property
     def ring_slots(self) -> int:
         return len(self.ring)
+
+    @property
+    def recv(self) -> torch.Tensor:
+        k = self.key
+        return self.recv_flat[: k.heads * k.seq_len * k.head_dim].view(
+            k.heads, k.seq_len, k.head_dim)
+
+    def fits(self, key: WorkspaceKey) -> bool:
+        """True when a call of shape `key` can use these buffers as they are."""
+        return (key.dtype == self.key.dtype and key.host_relay == self.key.host_relay
+                and self.send.numel() >= key.send_elems
+                and self.recv_flat.numel() >= key.send_elems // 3
+                and len(self.ring) >= key.slots and self.ring[0].numel() >= key.chunk_elems)
+
+    def use(self, key: WorkspaceKey) -> Workspace:
+        assert self.fits(key), (key, self.key)
+        self.key = key
+        return self
 
     def chunks(self) -> list[tuple[int, int]]:
         """[start, stop) of each chunk, in helper-local head indices."""
@@ -64,38 +100,50 @@ class Workspace:
             3, heads, k.seq_len, k.head_dim)
 
     @classmethod
-    def allocate(cls, key: WorkspaceKey, lane: Lane) -> Workspace:
-        per_chunk = 3 * key.chunk_heads * key.seq_len * key.head_dim
-        slots = min(key.ring_slots, -(-key.heads // key.chunk_heads))
-        ring = [torch.empty(per_chunk, dtype=key.dtype, device=lane.helper) for _ in range(slots)]
-        send = torch.empty(3 * key.heads * key.seq_len * key.head_dim, dtype=key.dtype,
-                           device=lane.root)
-        recv = torch.empty(key.heads, key.seq_len, key.head_dim, dtype=key.dtype,
-                           device=lane.root)
-        ws = cls(key=key, send=send, recv=recv, ring=ring, slot_free=[None] * slots)
+    def allocate(cls, key: WorkspaceKey, lane: Lane, *, grow: Workspace | None = None
+                 ) -> Workspace:
+        """Buffers for `key`, at least as large as `grow`'s (which the caller then releases)."""
+        send_elems, chunk_elems, slots = key.send_elems, key.chunk_elems, key.slots
+        if grow is not None and grow.key.dtype == key.dtype:
+            send_elems = max(send_elems, grow.send.numel())
+            chunk_elems = max(chunk_elems, grow.ring[0].numel() if grow.ring else 0)
+            slots = max(slots, len(grow.ring))
+        ring = [fresh(torch.empty(chunk_elems, dtype=key.dtype, device=lane.helper))
+                for _ in range(slots)]
+        send = fresh(torch.empty(send_elems, dtype=key.dtype, device=lane.root))
+        recv = fresh(torch.empty(send_elems // 3, dtype=key.dtype, device=lane.root))
+        ws = cls(key=key, send=send, recv_flat=recv, ring=ring, slot_free=[None] * slots)
         if key.host_relay:
             pin = torch.cuda.is_available() and lane.root.type == "cuda"
-            ws.pinned_in = [torch.empty(per_chunk, dtype=key.dtype, pin_memory=pin)
+            ws.pinned_in = [fresh(torch.empty(chunk_elems, dtype=key.dtype, pin_memory=pin))
                             for _ in range(HOST_RELAY_SLOTS)]
-            ws.pinned_out = [torch.empty(per_chunk // 3, dtype=key.dtype, pin_memory=pin)
+            ws.pinned_out = [fresh(torch.empty(chunk_elems // 3, dtype=key.dtype,
+                                               pin_memory=pin))
                              for _ in range(HOST_RELAY_SLOTS)]
             ws.pinned_in_free = [None] * HOST_RELAY_SLOTS
             ws.pinned_out_free = [None] * HOST_RELAY_SLOTS
         return ws
+
+    def nbytes(self) -> int:
+        tensors = [self.send, self.recv_flat, *self.ring, *self.pinned_in, *self.pinned_out]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def release(self, lane: Lane) -> None:
         """Hand the buffers back to the allocator only after every side stream is done with them.
 
         They were allocated on the devices' current streams but are used on the lane's side
         streams; without record_stream the allocator could give them to a new tensor while a
-        queued copy or attention of an earlier call still reads or writes them.
+        queued copy or attention of an earlier call still reads or writes them. (Pinned host
+        slots need nothing: PyTorch's pinned allocator records every non-blocking copy's event.)
         """
-        for tensor in (self.send, self.recv):
+        for tensor in (self.send, self.recv_flat):
             for stream in lane.root_streams:
-                if stream is not None:
+                if isinstance(stream, torch.cuda.Stream):
                     tensor.record_stream(stream)
         for tensor in self.ring:
             for stream in lane.helper_streams:
-                if stream is not None:
+                if isinstance(stream, torch.cuda.Stream):
                     tensor.record_stream(stream)
         self.ring.clear()
+        self.pinned_in.clear()
+        self.pinned_out.clear()

@@ -28,6 +28,8 @@ NODE_IDS = (
     "H3MultiGPUUpscalerDevice",
     "H3MultiGPUKeyframesToSize",
     "H3MultiGPUVideoDecode",
+    "H3MultiGPULatentUpscalerLoader",
+    "H3MultiGPULatentUpscale",
 )
 
 

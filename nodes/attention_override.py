@@ -1,13 +1,13 @@
 """An attention override that runs one `kernels` backend, in ComfyUI's calling convention.
 
 ComfyUI calls `override(func, q, k, v, heads, mask=None, skip_reshape=..., transformer_options=...,
-**kw)`, `func` being the attention it would have used. With skip_reshape q, k, v are
-`[B, H, S, D]` (H3 passes strided views of its qkv buffer), otherwise `[B, S, H*D]`; the result
-is `[B, S, H*D]` unless `skip_output_reshape` asks for `[B, H, S, D]`.
+**kw)`, `func` being the attention it would have used (see `kernels.comfy_calling` for layouts).
 
-Chaining: an override already installed (e.g. Dual-Sage) keeps control and receives our
-backend as its `func`, so it shards heads and our kernel attends each shard. Calls our backend
-cannot serve (a mask, or shapes it refuses) go to ComfyUI's own `func` unchanged.
+Composition with Dual-Sage, in either order, shards this node's kernel:
+- installed after Dual-Sage: Dual-Sage is our `previous` and receives our kernel as its `func`;
+- installed before it: Dual-Sage calls us with a sharding function as `func`, and we hand it our
+  kernel through `func.with_function(kernel)`.
+Calls our backend cannot serve (a mask, shapes it refuses) go to ComfyUI's own function.
 """
 
 from __future__ import annotations
@@ -15,51 +15,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..kernels.comfy_calling import backend_function
+
 OVERRIDE_KEY = "optimized_attention_override"
-
-
-def _to_bhsd(t, heads: int, skip_reshape: bool):
-    if skip_reshape:
-        return t
-    b, s, inner = t.shape
-    return t.view(b, s, heads, inner // heads).transpose(1, 2)
 
 
 def make_backend_attention(backend: str) -> Callable[..., Any]:
     """A function with optimized_attention's signature that runs `backend` from `kernels`."""
-    from ..kernels import attention, get_backend
-
-    chosen = get_backend(backend)  # ValueError now, naming the available backends
-
-    def backend_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
-                          skip_output_reshape=False, **kwargs):
-        out_layout = "BHSD" if skip_output_reshape else "BSF"
-        return attention(_to_bhsd(q, heads, skip_reshape), _to_bhsd(k, heads, skip_reshape),
-                         _to_bhsd(v, heads, skip_reshape), backend=chosen.name, output=out_layout)
-
-    backend_attention.backend = chosen
-    return backend_attention
+    return backend_function(backend)
 
 
 def make_override(backend: str, previous: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """The override to install; `previous` is an override that was already there (or None)."""
-    backend_attention = make_backend_attention(backend)
-    chosen = backend_attention.backend
+    chosen = backend_function(backend).backend  # ValueError now, naming the available backends
 
-    def override(func, q, k, v, heads, mask=None, skip_reshape=False, **kwargs):
-        def ours(q_, k_, v_, heads_, mask=None, skip_reshape=False, **kw):
-            if mask is not None:
-                return func(q_, k_, v_, heads_, mask=mask, skip_reshape=skip_reshape, **kw)
-            q4 = _to_bhsd(q_, heads_, skip_reshape)
-            k4 = _to_bhsd(k_, heads_, skip_reshape)
-            v4 = _to_bhsd(v_, heads_, skip_reshape)
-            if chosen.violations(q4, k4, v4):
-                return func(q_, k_, v_, heads_, mask=mask, skip_reshape=skip_reshape, **kw)
-            return backend_attention(q4, k4, v4, heads_, skip_reshape=True, **kw)
-
+    def override(func, q, k, v, heads, *args, **kwargs):
+        with_function = getattr(func, "with_function", None)
+        if with_function is not None:
+            # a sharding function (Dual-Sage installed after us): shard our kernel, and send
+            # the calls our kernel cannot take to the function it shards, unsharded
+            ours = backend_function(chosen.name, fallback=func.function)
+            return with_function(ours)(q, k, v, heads, *args, **kwargs)
+        ours = backend_function(chosen.name, fallback=func)
         if previous is not None:
-            return previous(ours, q, k, v, heads, mask=mask, skip_reshape=skip_reshape, **kwargs)
-        return ours(q, k, v, heads, mask=mask, skip_reshape=skip_reshape, **kwargs)
+            return previous(ours, q, k, v, heads, *args, **kwargs)
+        return ours(q, k, v, heads, *args, **kwargs)
 
     override.backend = chosen.name
     return override
@@ -74,6 +54,15 @@ def apply_backend_override(model: Any, backend: str) -> Any:
     previous = to.get(OVERRIDE_KEY)
     to = patched.model_options["transformer_options"] = dict(to)
     to[OVERRIDE_KEY] = make_override(backend, previous)
-    chained = " (chained under the override already installed)" if previous else ""
-    record(patched.model_options, "attention", f"backend {backend}{chained}")
+    if previous is not None and hasattr(previous, "sharded"):
+        from ..dual_sage.apply import sage_node_words, status_text
+
+        how = " (sharded by the Dual-Sage installed before)"
+        record(patched.model_options, "dual_sage",
+               status_text(previous.sharded, function=sage_node_words(backend)))
+    elif previous is not None:
+        how = " (chained under the override already installed)"
+    else:
+        how = ""
+    record(patched.model_options, "attention", f"backend {backend}{how}")
     return patched

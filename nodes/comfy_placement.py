@@ -10,6 +10,8 @@ Order of preference for MODEL, CLIP and VAE:
 A LATENT_UPSCALE_MODEL has no core device choice: it is a wrapper with a `.patcher` (Hunyuan and
 H3 style) or a ModelPatcher itself (LTX style); both are retargeted with 2./3.
 
+Every placed object also gets the device guard (`device_guard.py`): the DiT samples, the text
+encoder encodes and the VAE codes with their own GPU current, never the one ComfyUI left current.
 Every function returns (object, note) and never raises for a device that is missing: the
 note says what was asked and where the object stays. Everything ComfyUI is imported lazily.
 """
@@ -21,6 +23,7 @@ import importlib
 import logging
 from typing import Any
 
+from .device_guard import guard_diffusion_model, guard_text_encoder, guard_vae
 from .devices import device_option
 
 log = logging.getLogger("h3_multigpu")
@@ -92,6 +95,9 @@ def place_model(model: Any, index: int) -> tuple[Any, str]:
         placed, how = _first(core.execute(model, device_option(index))), "core Select Model Device"
     else:
         placed, how = retarget_patcher(model, torch_device(index))
+    if placed is model:  # never add the guard to the caller's patcher
+        placed = model.clone()
+    guard_diffusion_model(placed)
     return placed, _checked(getattr(placed, "load_device", None), index, "DiT", how)
 
 
@@ -103,6 +109,10 @@ def place_clip(clip: Any, index: int) -> tuple[Any, str]:
     else:
         placed = clip.clone()
         placed.patcher, how = retarget_patcher(clip.patcher, torch_device(index))
+    if placed is clip or placed.patcher is clip.patcher:
+        placed = clip.clone() if placed is clip else placed
+        placed.patcher = clip.patcher.clone()
+    guard_text_encoder(placed)
     return placed, _checked(placed.patcher.load_device, index, "text encoder", how)
 
 
@@ -118,6 +128,10 @@ def place_vae(vae: Any, index: int, what: str = "video VAE") -> tuple[Any, str]:
         # The VAE reads `device` for its inputs and `first_stage_model` for its weights.
         placed.first_stage_model = placed.patcher.model
         placed.device = target
+    if placed is vae or placed.patcher is vae.patcher:
+        placed = copy.copy(vae) if placed is vae else placed
+        placed.patcher = vae.patcher.clone()
+    guard_vae(placed)
     return placed, _checked(placed.patcher.load_device, index, what, how)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .device_guard import guard_diffusion_model
 from .inputs import parse_auto_int, parse_bytes
 from .placement import Placement
 from .status import feature_lines
@@ -28,11 +29,11 @@ def _load(module: str, *names: str) -> tuple[Any, ...]:
         raise FeatureUnavailable(f"{module} is not available in this install ({exc})") from exc
 
 
-def dual_sage_config(*, helpers: str, split: str, backend: str = "sdpa",
-                     min_tokens: str = "auto"):
+def dual_sage_config(*, helpers: str, split: str, backend: str = "comfyui",
+                     min_tokens: str = "auto", exact_only: bool = True):
     (config_cls,) = _load("dual_sage", "DualSageConfig")
     return config_cls.from_strings(helpers=helpers, split=split, backend=backend,
-                                   min_tokens=min_tokens)
+                                   min_tokens=min_tokens, exact_only=exact_only)
 
 
 def chunking_config(*, ffn_chunk: str, qkv_chunk: str = "auto", head_group: str = "auto"):
@@ -81,9 +82,13 @@ def check_options(feature: str, **options) -> str | None:
 
 
 def apply_feature(model: Any, feature: str, config: Any) -> Any:
+    """The feature's apply function, then the DiT device guard on its clone (idempotent)."""
     module, name = APPLY[feature]
     (apply,) = _load(module, name)
-    return apply(model, config)
+    patched = apply(model, config)
+    if patched is not model:
+        guard_diffusion_model(patched)
+    return patched
 
 
 def apply_from_strings(model: Any, feature: str, **options) -> Any:
@@ -115,7 +120,7 @@ def plan_feature_strings(plan: Any) -> dict[str, dict[str, str] | str]:
         out["dual_sage"] = {
             "helpers": ",".join(f"gpu:{i}" for i in dual.helper_devices),
             "split": ":".join(str(h) for h in dual.split),
-            "backend": "sdpa",  # exact by default; faster backends are opt-in on the node
+            "backend": "comfyui",  # ComfyUI's own attention, sharded: exact by default
             "min_tokens": str(dual.min_tokens),
         }
     else:
@@ -144,6 +149,29 @@ def plan_feature_strings(plan: Any) -> dict[str, dict[str, str] | str]:
     return out
 
 
+def dual_sage_for_placement(options: dict[str, str], plan: Any, placement: Placement
+                            ) -> dict[str, str]:
+    """The plan's Dual-Sage options for the GPUs the placement really uses.
+
+    The DiT runs on `placement.root` and the placement's helper is Dual-Sage's first helper:
+    the Advanced node's root_gpu/helper_gpu overrides (a role swap, another helper of 3+ GPUs)
+    replace the plan's. The plan's other helpers stay unless one of them is now the root. The
+    plan's head split follows its devices (its counts read as throughputs; 'auto' when a device
+    is new to the plan).
+    """
+    dual = plan.dual_sage
+    plan_devices = [getattr(plan, "root_device", None), *dual.helper_devices]
+    helpers = [placement.helper, *(h for h in dual.helper_devices
+                                   if h not in (placement.root, placement.helper))]
+    devices = [placement.root, *helpers]
+    if devices == plan_devices:
+        return options
+    share = dict(zip(plan_devices, dual.split, strict=False))
+    split = "auto" if any(d not in share for d in devices) else \
+        ":".join(f"{float(share[d]):.1f}" for d in devices)
+    return {**options, "helpers": ",".join(f"gpu:{i}" for i in helpers), "split": split}
+
+
 def apply_plan(model: Any, plan: Any, placement: Placement,
                disabled: tuple[str, ...] = ()) -> tuple[Any, dict[str, str]]:
     """Apply every feature the plan enables; return the model and one line per feature.
@@ -156,6 +184,8 @@ def apply_plan(model: Any, plan: Any, placement: Placement,
     for name in ("dual_sage", "sequence"):
         if not placement.multi_gpu and isinstance(wanted.get(name), dict):
             wanted[name] = "off: only one GPU is in use here"
+    if isinstance(wanted.get("dual_sage"), dict):
+        wanted["dual_sage"] = dual_sage_for_placement(wanted["dual_sage"], plan, placement)
     for name, options in wanted.items():
         if name in disabled:
             lines[name] = "off: switched off on the node"

@@ -15,6 +15,21 @@ from .placement import Placement
 
 STATUS_KEY = "h3_multigpu"  # transformer_options key every apply_* writes its line under
 FEATURES = ("sequence", "dual_sage", "chunking", "prefetch", "attention")
+# What the bundled workflows need from ComfyUI itself (ComfyUI#15224 brought the H3 nodes).
+H3_NODES = ("MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo")
+CORE_UPSCALE = "MiniMaxH3LatentUpscaleWithModel"
+
+
+def comfyui_support_line(node_classes) -> str:
+    """One status line: does this ComfyUI run the bundled workflows, and which upscale runs."""
+    missing = [n for n in H3_NODES if n not in node_classes]
+    upscale = ("latent upscale: this pack's H3 Latent Upscale (core's " + CORE_UPSCALE
+               + (" is also present" if CORE_UPSCALE in node_classes else " is not needed")
+               + ")")
+    if missing:
+        return (f"ComfyUI: NO MiniMax H3 nodes ({', '.join(missing)} missing): update ComfyUI "
+                f"(ComfyUI#15224 or newer) to run H3; {upscale}")
+    return f"ComfyUI: MiniMax H3 nodes present; {upscale}"
 
 
 def feature_lines(model_options: dict[str, Any] | None) -> dict[str, str]:

@@ -15,7 +15,7 @@ from .devices import gpu_inventory, parse_device
 from .features import apply_decode_plan, apply_plan
 from .placement import Placement, decide_placement, placement_from_plan
 from .planning import PlannerUnavailable, make_plan
-from .status import FEATURES, compose_status
+from .status import FEATURES, comfyui_support_line, compose_status
 from .v3_plan import check_sizes, parallel_input, size_inputs
 
 
@@ -85,6 +85,12 @@ def run_dropin(model, clip, vae, audio_vae, latent_upscale_model, plan, sizes: d
         lines = {name: "NOT ACTIVE: no plan" for name in FEATURES if name != "attention"}
     if placement.root is not None:  # the video VAE sits on the helper: share its decode
         vae, lines["decode"] = apply_decode_plan(vae, plan, placement.helper)
+    try:
+        import nodes as comfy_nodes  # ComfyUI's registry of node classes
+
+        extra.append(comfyui_support_line(comfy_nodes.NODE_CLASS_MAPPINGS))
+    except ImportError:
+        pass
     status = compose_status(placement=placement, plan=plan, features=lines,
                             component_notes=notes, extra=extra)
     return model, clip, vae, audio_vae, latent_upscale_model, plan, status, placement

@@ -57,7 +57,9 @@ class H3MultiGPUDualSage(io.ComfyNode):
         return io.Schema(
             node_id="H3MultiGPUDualSage", display_name="H3 Dual-Sage", category=CATEGORY,
             description="Shards each attention call's 56 heads between the DiT's GPU and "
-                        "helper GPUs; exact (same numbers as one GPU with the same kernel).",
+                        "helper GPUs, running on every GPU the attention ComfyUI would run; "
+                        "exact (same numbers as one GPU) where that function treats heads "
+                        "independently.",
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("helpers", default="auto",
@@ -76,9 +78,10 @@ class H3MultiGPUDualSage(io.ComfyNode):
                          {"min_tokens": min_tokens})
 
     @classmethod
-    def execute(cls, model, helpers, split, backend="sdpa", min_tokens="auto"):
+    def execute(cls, model, helpers, split, backend="comfyui", min_tokens="auto",
+                exact_only=True):
         return _guard(model, "dual_sage", helpers=helpers, split=split, backend=backend,
-                      min_tokens=min_tokens)
+                      min_tokens=min_tokens, exact_only=exact_only)
 
 
 class H3MultiGPUDualSageAdvanced(H3MultiGPUDualSage):
@@ -89,12 +92,18 @@ class H3MultiGPUDualSageAdvanced(H3MultiGPUDualSage):
         schema.display_name = "H3 Dual-Sage (Advanced)"
         schema.inputs = [
             *schema.inputs,
-            io.Combo.Input("backend", options=backend_names(), default="sdpa",
-                           tooltip="Attention kernel on every GPU. sdpa is exact; quantizing "
-                                   "kernels are faster and approximate."),
+            io.Combo.Input("backend", options=["comfyui", *backend_names()], default="comfyui",
+                           tooltip="Attention on every GPU. comfyui = what ComfyUI would run "
+                                   "(the checkpoint's preferred attention, else its default): "
+                                   "exact. Others: a kernel of this pack; quantizing kernels "
+                                   "are faster and approximate."),
             io.String.Input("min_tokens", default="auto",
                             tooltip="Shorter sequences stay on one GPU (the transfer would cost "
                                     "more than it saves). auto = from the link's speed."),
+            io.Boolean.Input("exact_only", default=True,
+                             tooltip="Split only calls whose head subsets give the same bits as "
+                                     "the whole call on this GPU (measured range); off splits "
+                                     "every call above min_tokens."),
         ]
         return schema
 
@@ -106,11 +115,14 @@ class H3MultiGPUChunking(io.ComfyNode):
             node_id="H3MultiGPUChunking", display_name="H3 Activation Chunking",
             category=CATEGORY,
             description="Runs the FFN (and optionally QKV and attention heads) in sequence "
-                        "chunks to cap the activation peak; exact (row chunking).",
+                        "chunks to cap the activation peak. Exact with chunks of 4096+ rows and "
+                        "4+ heads per call ('auto' stays there); smaller chunks may differ at "
+                        "bf16 rounding, and the status says so.",
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("ffn_chunk", default="auto",
-                                tooltip="Tokens per FFN chunk; auto = from free memory, 0 = off."),
+                                tooltip="Tokens per FFN chunk; auto = from free memory, 0 = off. "
+                                        "4096 or more is exact."),
             ],
             outputs=_outputs(),
         )
@@ -135,9 +147,11 @@ class H3MultiGPUChunkingAdvanced(H3MultiGPUChunking):
         schema.inputs = [
             *schema.inputs,
             io.String.Input("qkv_chunk", default="auto",
-                            tooltip="Tokens per QKV projection chunk (LoRA included); 0 = off."),
+                            tooltip="Tokens per QKV projection chunk (LoRA included); 0 = off. "
+                                    "4096 or more is exact."),
             io.String.Input("head_group", default="auto",
-                            tooltip="Heads attended at once; 0 = all 56."),
+                            tooltip="Heads attended at once; 0 = all 56. 4 or more is exact "
+                                    "(enlarged on short sequences)."),
         ]
         return schema
 

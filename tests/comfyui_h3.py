@@ -355,6 +355,50 @@ def with_lora(patcher, lora_state_dict: dict[str, torch.Tensor], strength: float
     return lora_patcher
 
 
+def with_bypass_lora(patcher, lora_state_dict: dict[str, torch.Tensor], strength: float = 1.0):
+    """What ComfyUI's on-activation ("bypass") LoRA loader does: a clone of `patcher` whose
+    adapted linears run `g(f(x) + h(x))` through comfy.weight_adapter's BypassForwardHook,
+    injected by the patcher while it loads (weights untouched).
+
+    Uses comfy.sd.load_bypass_lora_for_models where this ComfyUI has it; otherwise the same
+    steps through the public pieces (load_lora, BypassInjectionManager, set_injections).
+    """
+    comfy = import_comfyui()
+    try:
+        from comfy.weight_adapter import BypassInjectionManager, WeightAdapterBase
+    except ImportError as exc:
+        raise ComfyUIUnavailable(f"this ComfyUI has no bypass LoRA (comfy.weight_adapter): "
+                                 f"{exc}") from exc
+    loader = getattr(comfy.sd, "load_bypass_lora_for_models", None)
+    if loader is not None:
+        lora_patcher, _ = loader(patcher, None, lora_state_dict, strength, 0.0)
+    else:
+        key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+        loaded = comfy.lora.load_lora(lora_state_dict, key_map)
+        lora_patcher = patcher.clone()
+        manager = BypassInjectionManager()
+        model_keys = set(lora_patcher.model.state_dict().keys())
+        for key, adapter in loaded.items():
+            if isinstance(adapter, WeightAdapterBase) and key in model_keys:
+                manager.add_adapter(key, adapter, strength=strength)
+        injections = manager.create_injections(lora_patcher.model)
+        if manager.get_hook_count() > 0:
+            lora_patcher.set_injections("bypass_lora", injections)
+    if not lora_patcher.injections.get("bypass_lora"):
+        raise RuntimeError("the bypass LoRA matched no linear of the model")
+    return lora_patcher
+
+
+def bypass_adapted_modules(patcher) -> int:
+    """How many modules of the model currently run a bypass adapter (injected forward)."""
+    count = 0
+    for module in patcher.model.modules():
+        forward = module.__dict__.get("forward")
+        if forward is not None and hasattr(getattr(forward, "__self__", None), "adapter"):
+            count += 1
+    return count
+
+
 def lowvram_patched_modules(patcher) -> int:
     """How many modules currently carry ComfyUI's LowVramPatch weight function (lowvram LoRA)."""
     comfy = import_comfyui()
@@ -444,6 +488,97 @@ def set_preferred_attention(patcher, fn) -> int:
 def attention_calls_per_forward(config: TinyH3Config) -> int:
     """DiT-forward attention calls (the refiner runs in extra_conds, once per sampling run)."""
     return config.blocks
+
+
+class CallCounter:
+    """Count calls of the DiT blocks' (not the refiner's) linears and record the block input rows.
+
+    Forward pre-hooks fire on every `module(x)` call, whatever replaced the module's forward
+    (bypass adapters, chunked blocks calling the linear per row chunk).
+    """
+
+    def __init__(self, patcher, names: tuple[str, ...] = ("attn.qkv_proj", "attn.out_proj",
+                                                          "mlp.fc1", "mlp.fc2")):
+        self.blocks = patcher.model.diffusion_model.blocks
+        self.names = names
+        self.calls = {name: 0 for name in names}
+        self.rows: list[int] = []  # block input rows, one entry per block call
+        self._handles: list = []
+
+    def __enter__(self) -> CallCounter:
+        def counter(name):
+            def hook(module, args):
+                self.calls[name] += 1
+            return hook
+
+        def rows(module, args, kwargs):
+            x = args[0] if args else kwargs["x"]
+            self.rows.append(int(x.shape[0]))
+
+        for block in self.blocks:
+            self._handles.append(block.register_forward_pre_hook(rows, with_kwargs=True))
+            for name in self.names:
+                module = block.get_submodule(name)
+                self._handles.append(module.register_forward_pre_hook(counter(name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def per_block(self, name: str) -> float:
+        return self.calls[name] / max(len(self.rows), 1)
+
+
+def kernels_row_and_head_independent(patcher, tokens: int, *, ffn_chunk: int, qkv_chunk: int,
+                                     head_group: int, rank: int = 0, seed: int = 0) -> bool:
+    """Whether this machine's kernels give the same rows chunked as whole, for the DiT's GEMM
+    shapes (LoRA rank `rank` included) at these chunk sizes, and the same heads in groups as in
+    one attention call (ComfyUI's attention function, called as the chunked block calls it).
+
+    CPU BLAS may split rows over threads or switch micro-kernels by row count (seen: fp32 with
+    two MKL threads), so a row-chunked GEMM is not bit-identical everywhere; where it is, the
+    whole chunked model must be too.
+    """
+    import torch.nn.functional as F
+
+    from h3_multigpu.chunking import ChunkingConfig
+    from h3_multigpu.chunking.block import ChunkedBlockForward
+    from h3_multigpu.chunking.sizing import head_groups, row_chunks
+
+    block = patcher.model.diffusion_model.blocks[0]
+    dtype = block.attn.qkv_proj.weight.dtype
+    hidden, heads, dim = block.attn.qkv_proj.in_features, block.attn.heads, block.attn.head_dim
+    inner, ffn = heads * dim, block.mlp.fc2.in_features
+    gen = torch.Generator().manual_seed(seed)
+
+    def rows_independent(k: int, n: int, chunk: int) -> bool:
+        x = torch.randn((tokens, k), generator=gen).to(dtype)
+        w = (torch.randn((n, k), generator=gen) / k ** 0.5).to(dtype)
+        whole = F.linear(x, w)
+        return all(torch.equal(F.linear(x[a:b], w), whole[a:b])
+                   for a, b in row_chunks(tokens, chunk))
+
+    shapes = []
+    if qkv_chunk:
+        shapes += [(hidden, 3 * inner, qkv_chunk), (inner, hidden, qkv_chunk)]
+    if ffn_chunk:
+        shapes += [(hidden, 2 * ffn, ffn_chunk), (ffn, hidden, ffn_chunk)]
+    if rank:
+        shapes += [(k, rank, c) for k, _, c in shapes] + [(rank, n, c) for _, n, c in shapes]
+    if not all(rows_independent(k, n, c) for k, n, c in shapes):
+        return False
+    groups = head_groups(heads, head_group, tokens)
+    if len(groups) <= 1:
+        return True
+    chunked = ChunkedBlockForward(block, ChunkingConfig(head_group=head_group))
+    qkv = torch.randn((tokens, 3 * heads * dim), generator=gen).to(dtype)
+    q, k, v = (t.view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
+               for t in qkv.split(inner, dim=-1))
+    whole = chunked._call_attention(q, k, v, heads, {})[0]
+    return all(torch.equal(chunked._call_attention(q[:, a:b], k[:, a:b], v[:, a:b], b - a,
+                                                   {})[0], whole[:, a * dim:b * dim])
+               for a, b in groups)
 
 
 def checksum(*tensors: torch.Tensor) -> float:

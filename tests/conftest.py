@@ -17,7 +17,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA/ROCm GPU"))
         if "multi_gpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs two GPUs"))
-        if "comfyui" in item.keywords and not os.environ.get("COMFYUI_PATH"):
+        if ("comfyui" in item.keywords or "browser" in item.keywords) and not os.environ.get(
+                "COMFYUI_PATH"):
             item.add_marker(pytest.mark.skip(reason="set COMFYUI_PATH to a ComfyUI checkout"))
 
 

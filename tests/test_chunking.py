@@ -15,6 +15,7 @@ from h3_multigpu.chunking import (
     attach_activation_lora,
     clip_segments,
     project_rows,
+    sizing,
 )
 from h3_multigpu.chunking.block import ChunkedBlockForward
 from h3_multigpu.chunking.h3_ops import activation_adapters
@@ -210,16 +211,26 @@ def test_auto_is_off_on_cpu_and_sized_from_free_memory(bf16_twin, bf16_inputs, m
     assert _equal(patched.apply_model(*bf16_inputs), reference)
     forward = patched.object_patches["diffusion_model.blocks.0.forward"]
     assert forward.last_chunks == (0, 0, 0)
-    # a device with almost no free memory: "auto" must chunk every phase, and stay exact
+    # a device with almost no free memory: "auto" must chunk every phase, and stay exact; the
+    # exactness floors are scaled down to this 44-row, 8-head model (the GPU's are 4096 rows and
+    # 1024 query tiles per call: "auto" would not chunk a sequence this short at all)
     monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 0)
+    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 4)
     config = ChunkingConfig(ffn_chunk="auto", qkv_chunk="auto", head_group="auto",
                             headroom_bytes=0, blocks=(0,))
     patched = apply_activation_chunking(base, config)
     assert _equal(patched.apply_model(*bf16_inputs), reference)
     ffn, qkv, group = patched.object_patches["diffusion_model.blocks.0.forward"].last_chunks
-    # rows chunked as far as they go; no head groups at 44 rows (too few query tiles per call
-    # for a split-KV-free, exact attention: see sizing.MIN_QUERY_TILES_PER_CALL)
-    assert 0 < ffn < 44 and 0 < qkv < 44 and group == 0
+    # rows chunked as far as the floor lets them, every realised chunk at least 8 rows; the
+    # smallest exact head group (4 of 8 heads, one 64-row query tile each)
+    assert 8 <= ffn < 44 and 8 <= qkv < 44 and group == 4
+    assert min(b - a for a, b in sizing.row_chunks(44, ffn)) >= 8
+    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 4096)
+    monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 1024)
+    patched = apply_activation_chunking(base, config)
+    patched.apply_model(*bf16_inputs)
+    assert patched.object_patches["diffusion_model.blocks.0.forward"].last_chunks == (0, 0, 0)
 
 
 def test_apply_clones_and_records_status(bf16_twin):
@@ -281,3 +292,25 @@ def test_full_config_block_is_recognised_on_meta():
     x = torch.empty(100, 5376, dtype=BF16, device="meta")
     dims = forward.dims(x)
     assert (dims.hidden, dims.heads, dims.head_dim, dims.ffn) == (5376, 56, 128, 14336)
+
+
+def test_activation_lora_follows_the_model_to_its_load_device(monkeypatch):
+    """Adapters are attached where the model is built (ComfyUI: the offload device) and must
+    compute where the activations are once the model moved (cuda:1 on the device: `mat2 is on
+    cpu`). Here the model moves to "meta", and F.linear checks devices the way CUDA does."""
+    linear = torch.nn.Linear(16, 24, dtype=BF16)
+    hook = attach_activation_lora(linear, 4, seed=1)
+    assert hook.adapter.weights[0].device.type == "cpu"
+    linear.requires_grad_(False).to("meta")
+    real_linear = torch.nn.functional.linear
+
+    def device_checked_linear(x, weight, bias=None):
+        if weight.device != x.device:
+            raise RuntimeError(f"mat2 is on {weight.device}, input on {x.device}")
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", device_checked_linear)
+    with torch.no_grad():
+        out = linear(torch.empty(5, 16, dtype=BF16, device="meta"))
+    assert out.device.type == "meta" and out.shape == (5, 24)
+    hook.eject()

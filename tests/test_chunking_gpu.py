@@ -48,24 +48,50 @@ def _predicted(workload, config: ChunkingConfig | None) -> sizing.BlockPeak:
         kernels=kernels)
 
 
-# Chunks of a few thousand rows (what the planner and "auto" choose) keep cuBLAS on the same GEMM
-# kernels as the unchunked call, so the result is bit-identical. Much smaller chunks can make it
-# pick another kernel (seen on an H200: 777/1000-row chunks gave max |diff| 0.03 in bf16): those
-# are checked against the bf16 rounding bound instead (test below).
+# Chunks of at least sizing.EXACT_MIN_ROWS (what the planner and "auto" choose, and what a request
+# of that size is never realised below) keep cuBLAS on the unchunked call's GEMM kernels, and head
+# groups of >= 4 heads with enough query tiles keep flash attention free of split-KV: the result is
+# bit-identical. Smaller explicit chunks can change kernels (seen on an H200: 777/1000-row chunks
+# gave max |diff| 0.03 in bf16): those are checked against the bf16 rounding bound (test below).
 @pytest.mark.parametrize("config", [
     ChunkingConfig(ffn_chunk=5000, qkv_chunk=4500, head_group=12),  # nothing divides S or 56
     ChunkingConfig(ffn_chunk=4096, qkv_chunk=4096),
     ChunkingConfig(head_group=5),
-    ChunkingConfig(ffn_chunk=16384, qkv_chunk=16384, head_group=14),
+    ChunkingConfig(ffn_chunk=16384, qkv_chunk=8192, head_group=14),
 ], ids=lambda c: f"{c.ffn_chunk}-{c.qkv_chunk}-{c.head_group}")
 def test_full_block_chunked_is_bit_identical(full_block, config):
     model, hooks = full_block
-    # 1312x736 at 22 frames: 256 text + 74 audio + 6601 video rows
-    workload = pass_workload(model, hooks, width=1312, height=736, frames=22)
+    # 1312x736 at 46 frames: 256 text + ~13.9k audio/video rows (>= 2 chunks of >= 4096 rows)
+    workload = pass_workload(model, hooks, width=1312, height=736, frames=46)
     reference = run_blocks(workload, _forwards(model, None), repeats=1, warmup=0).output
-    chunked = run_blocks(workload, _forwards(model, config), repeats=1, warmup=0).output
+    forwards = _forwards(model, config)
+    chunked = run_blocks(workload, forwards, repeats=1, warmup=0).output
+    ffn, qkv, group = forwards[0].last_chunks
+    calls = (len(sizing.row_chunks(workload.tokens, ffn)), len(sizing.row_chunks(workload.tokens,
+                                                                                 qkv)),
+             len(sizing.head_groups(56, group, workload.tokens)))
+    assert max(calls) > 1, calls  # engaged
     diff = (chunked.float() - reference.float()).abs().max().item()
     assert torch.equal(chunked, reference), f"max abs diff {diff}"
+
+
+@pytest.mark.multi_gpu
+def test_on_activation_lora_attached_on_the_host_runs_on_cuda1():
+    """The twin's adapters are made where the model is built and follow it to cuda:1 (this
+    crashed with `mat2 is on cpu ... cuda:1`), chunked and with cuda:0 current."""
+    model, hooks = make_block_model(TwinConfig.tiny(blocks=1, refiner_blocks=0), device="cpu",
+                                    lora_rank=4, seed=1)
+    model.to("cuda:1")
+    torch.cuda.set_device(0)
+    with torch.cuda.device(1):  # the twin's kitchen rope needs its device current
+        workload = pass_workload(model, hooks, width=256, height=256, frames=5, text_tokens=16)
+        reference = run_blocks(workload, _forwards(model, None), repeats=1, warmup=0).output
+        chunked = run_blocks(workload, _forwards(model, ChunkingConfig(ffn_chunk=7, qkv_chunk=5)),
+                             repeats=1, warmup=0).output
+    assert hooks and hooks[0].adapter.weights[0].device.type == "cpu"
+    # 5- and 7-row chunks may pick other GEMM kernels: bf16 rounding bound (k = 4)
+    rel = ((chunked.float() - reference.float()).norm() / reference.float().norm()).item()
+    assert rel <= 4 * 2.0**-8, f"relative L2 {rel:.2e}"
 
 
 def test_predicted_peaks_match_measured_and_chunking_lowers_them(full_block):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from h3_multigpu import geometry
-from h3_multigpu.chunking import sizing
+from h3_multigpu.chunking import ChunkingConfig, sizing
 from h3_multigpu.chunking.sizing import Adapters, BlockDims, Kernels
 
 GiB = 1 << 30
@@ -143,3 +143,73 @@ def test_sizing_rejects_bad_values():
         sizing.choose_chunks(-1, 100)
     with pytest.raises(ValueError, match="mlp kernel"):
         Kernels(mlp="fused")
+
+
+@pytest.mark.parametrize("total, chunk", [(6_200, 4096), (8_193, 4096), (8_193, 8192),
+                                          (35_561, 4096), (35_561, 5000), (102_363, 4224),
+                                          (4_097, 4096), (12_287, 4096)])
+def test_row_chunks_never_go_below_the_exactness_floor(total, chunk):
+    """A request at or above EXACT_MIN_ROWS never produces a GEMM call below it (cuBLAS would
+    pick another kernel there on an H200): fewer, larger chunks are used instead."""
+    ranges = sizing.row_chunks(total, chunk)
+    sizes = [b - a for a, b in ranges]
+    assert ranges[0][0] == 0 and ranges[-1][1] == total and sum(sizes) == total
+    assert min(sizes) >= sizing.EXACT_MIN_ROWS or ranges == [(0, total)]
+    # larger than asked only by less than the floor, and only when the floor forced it
+    assert max(sizes) < max(chunk, 2 * sizing.EXACT_MIN_ROWS)
+    assert sizing.largest_chunk_rows(total, chunk) == max(sizes)
+
+
+def test_small_explicit_row_chunks_are_honoured():
+    assert [b - a for a, b in sizing.row_chunks(3320, 777)] == [664] * 5
+    assert max(b - a for a, b in sizing.row_chunks(3320, 64)) <= 64
+
+
+@pytest.mark.parametrize("heads, group, tokens, expected", [
+    (56, 14, 35_561, [14, 14, 14, 14]),
+    (56, 12, 35_561, [12, 11, 11, 11, 11]),   # balanced: no 8-head tail call
+    (56, 5, 35_561, [5] * 8 + [4] * 4),       # no 1-head tail call either
+    (56, 14, 3_320, [28, 28]),                # 52 query tiles: >= 20 heads per call
+    (56, 4, 8_000, [10, 10, 9, 9, 9, 9]),     # 125 tiles: >= 9 heads per call
+    (56, 28, 2_000, [56]),                    # too short for any exact split: one call
+    (56, 2, 3_320, [2] * 28),                 # below the head floor: as asked
+    (8, 3, 44, [3, 3, 2]),
+    (56, 0, 35_561, [56]), (56, 56, 35_561, [56]),
+])
+def test_head_groups_balance_and_keep_the_exactness_floor(heads, group, tokens, expected):
+    ranges = sizing.head_groups(heads, group, tokens)
+    assert [b - a for a, b in ranges] == expected
+    assert ranges[0][0] == 0 and ranges[-1][1] == heads
+    calls = len(ranges)
+    if group >= sizing.EXACT_MIN_HEADS and calls > 1:
+        tiles = sizing.query_tiles(tokens)
+        assert min(expected) * tiles >= sizing.MIN_QUERY_TILES_PER_CALL
+    assert sizing.largest_head_group(heads, group, tokens) == (0 if calls == 1 else max(expected))
+
+
+def test_status_says_exact_only_inside_the_floors():
+    def status(**kw):
+        return ChunkingConfig(**kw).status(40)
+
+    for exact in (dict(ffn_chunk=4096, qkv_chunk=16384, head_group=14),
+                  dict(ffn_chunk="auto", qkv_chunk="auto", head_group="auto"),
+                  dict(ffn_chunk=4096), dict(head_group=4)):
+        assert status(**exact).endswith("; exact"), exact
+    for inexact, named in ((dict(ffn_chunk=333, qkv_chunk=777, head_group=5), "ffn chunks of 333"),
+                           (dict(ffn_chunk=64, qkv_chunk=64, head_group=1), "1 heads per"),
+                           (dict(qkv_chunk=4095), "qkv chunks of 4095"),
+                           (dict(head_group=3), "3 heads per attention call")):
+        line = status(**inexact)
+        assert "exact" not in line.replace("may differ", "") and named in line, line
+        assert "may differ from unchunked at bf16 rounding" in line
+
+
+def test_planner_chunks_stay_inside_the_floors():
+    """The planner's row chunks and head groups are exact ones (4096+ rows, 4+ heads)."""
+    from h3_multigpu.planner import BlockDims, choose_chunks
+
+    for tokens in (8_000, 35_561, 68_962, 102_363):
+        for free in (0, 4 * GiB, 8 * GiB):
+            settings = choose_chunks(free, tokens, BlockDims(), lora_on_activations=True)
+            assert sizing.exactness_note(settings.ffn_chunk, settings.qkv_chunk,
+                                         settings.head_group) == "exact", settings

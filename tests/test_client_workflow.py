@@ -94,17 +94,146 @@ def test_ui_workflow_is_converted_patched_and_run(tmp_path):
     assert paths[0].name == "h3_00001_.mp4"
 
 
-def test_subgraphs_and_unknown_classes_are_refused_with_the_fix():
+def test_unknown_classes_and_old_proxy_widgets_are_refused_with_the_fix():
     ui = ui_workflow()
-    subgraph_id = "a3c9e0c4-0000-4000-8000-000000000001"
-    ui["definitions"] = {"subgraphs": [{"id": subgraph_id, "nodes": []}]}
-    ui["nodes"].append({"id": 20, "type": subgraph_id, "title": "H3 T2V"})
     ui["nodes"].append({"id": 21, "type": "H3NotInstalled"})
+    ui["nodes"].append({"id": 22, "type": "MiniMaxH3ImageToVideo"})
+    sub_id = "a3c9e0c4-0000-4000-8000-000000000001"
+    ui["definitions"] = {"subgraphs": [{"id": sub_id, "name": "old", "nodes": [], "links": [],
+                                        "inputs": [], "outputs": []}]}
+    ui["nodes"].append({"id": 20, "type": sub_id, "title": "H3 T2V",
+                        "properties": {"proxyWidgets": [["3", "text"]]}})
     with pytest.raises(WorkflowError) as info:
         ui_to_api(ui, OBJECT_INFO)
     text = str(info.value)
-    assert "node #20 'H3 T2V'" in text and "Unpack Subgraph" in text
     assert "class 'H3NotInstalled' is not installed" in text
+    assert "node #22" in text and "update ComfyUI" in text
+    assert "node #20 'H3 T2V'" in text and "proxyWidgets" in text and "save it" in text
+
+
+SUB = "5d1c1c5e-7a57-4e2b-9a41-0c6f8f2a9b10"
+
+
+def subgraph_workflow() -> dict:
+    """A subgraph with a promoted widget (seed), a socket fed from outside (an image), an inner
+    primitive, a link out through the subgraph's output, and a muted inner node."""
+    inner = [
+        {"id": 5, "type": "PrimitiveInt", "title": "Seed", "mode": 0,
+         "inputs": [slot("value", "INT", 1, widget=True)], "widgets_values": [0, "fixed"]},
+        {"id": 6, "type": "KSampler", "title": "Sampler", "mode": 0,
+         "inputs": [slot("latent_image", "LATENT", 3), slot("seed", "INT", 2, widget=True)],
+         "widgets_values": [0, "fixed", 4, 1.0, "euler", "simple", 0.5]},
+        {"id": 7, "type": "VAEDecode", "title": "Decode", "mode": 0,
+         "inputs": [slot("samples", "LATENT", 4), slot("vae", "VAE", None)]},
+        {"id": 8, "type": "SaveImage", "title": "Muted", "mode": 2,
+         "inputs": [slot("images", "IMAGE", None)], "widgets_values": ["x"]},
+    ]
+    sub = {"id": SUB, "name": "pipeline", "nodes": inner,
+           "inputs": [{"id": "8b3a3f5e-8a0c-4a8e-9c51-0c0f8b2a9b11", "name": "seed",
+                       "type": "INT", "linkIds": [1]},
+                      {"id": "8b3a3f5e-8a0c-4a8e-9c51-0c0f8b2a9b12", "name": "latent",
+                       "type": "LATENT", "linkIds": [3]}],
+           "outputs": [{"id": "8b3a3f5e-8a0c-4a8e-9c51-0c0f8b2a9b13", "name": "IMAGE",
+                        "type": "IMAGE", "linkIds": [5]}],
+           "links": [{"id": 1, "origin_id": -10, "origin_slot": 0, "target_id": 5,
+                      "target_slot": 0, "type": "INT"},
+                     {"id": 2, "origin_id": 5, "origin_slot": 0, "target_id": 6,
+                      "target_slot": 1, "type": "INT"},
+                     {"id": 3, "origin_id": -10, "origin_slot": 1, "target_id": 6,
+                      "target_slot": 0, "type": "LATENT"},
+                     {"id": 4, "origin_id": 6, "origin_slot": 0, "target_id": 7,
+                      "target_slot": 0, "type": "LATENT"},
+                     {"id": 5, "origin_id": 7, "origin_slot": 0, "target_id": -20,
+                      "target_slot": 0, "type": "IMAGE"}]}
+    nodes = [
+        {"id": 1, "type": "EmptyMiniMaxH3LatentAV", "title": "Size", "mode": 0,
+         "widgets_values": [864, 480, 124]},
+        {"id": 2, "type": SUB, "title": "Pipeline", "mode": 0,
+         "inputs": [slot("seed", "INT", None, widget=True), slot("latent", "LATENT", 10)],
+         "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [11]}],
+         "widgets_values": [1234]},
+        {"id": 3, "type": "SaveImage", "title": "Save", "mode": 0,
+         "inputs": [slot("images", "IMAGE", 11)], "widgets_values": ["out"],
+         "properties": {"cnr_id": "comfy-core"}},
+        {"id": 4, "type": "MarkdownNote", "mode": 0, "widgets_values": ["# read me"]},
+    ]
+    links = [[10, 1, 0, 2, 1, "LATENT"], [11, 2, 0, 3, 0, "IMAGE"]]
+    return {"id": "8b3a3f5e-8a0c-4a8e-9c51-0c0f8b2a9b00", "last_node_id": 8,
+            "last_link_id": 11, "nodes": nodes, "links": links,
+            "definitions": {"subgraphs": [sub]}, "version": 0.4}
+
+
+def test_subgraphs_are_expanded_as_the_editor_queues_them():
+    api = ui_to_api(subgraph_workflow(), OBJECT_INFO)
+    assert list(api) == ["1", "2:5", "2:6", "2:7", "3"]  # inner ids "<subgraph node>:<id>"
+    assert api["2:5"]["inputs"] == {"value": 1234}  # the promoted widget's value
+    assert api["2:6"]["inputs"] == {
+        "seed": ["2:5", 0], "steps": 4, "cfg": 1.0, "sampler_name": "euler",
+        "scheduler": "simple", "denoise": 0.5, "latent_image": ["1", 0]}  # from outside
+    assert api["3"]["inputs"] == {"filename_prefix": "out", "images": ["2:7", 0]}  # output
+    assert api["3"]["_meta"] == {"title": "Save", "cnr_id": "comfy-core"}
+    assert "2:8" not in api  # muted inside the subgraph
+
+
+def test_a_nested_subgraph_gets_a_two_level_id():
+    outer = subgraph_workflow()
+    inner_id = "5d1c1c5e-7a57-4e2b-9a41-0c6f8f2a9b20"
+    inner = {"id": inner_id, "name": "decode", "inputs": [], "links": [],
+             "outputs": [{"id": "8b3a3f5e-8a0c-4a8e-9c51-0c0f8b2a9b21", "name": "IMAGE",
+                          "type": "IMAGE", "linkIds": [7]}],
+             "nodes": [{"id": 9, "type": "EmptyImage", "mode": 0,
+                        "widgets_values": [8, 8, 1, 0]}]}
+    inner["links"] = [{"id": 7, "origin_id": 9, "origin_slot": 0, "target_id": -20,
+                       "target_slot": 0, "type": "IMAGE"}]
+    sub = outer["definitions"]["subgraphs"][0]
+    sub["definitions"] = {"subgraphs": [inner]}
+    sub["nodes"].append({"id": 12, "type": inner_id, "mode": 0,
+                         "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [6]}]})
+    sub["outputs"][0]["linkIds"] = [6]
+    sub["links"][-1] = {"id": 6, "origin_id": 12, "origin_slot": 0, "target_id": -20,
+                        "target_slot": 0, "type": "IMAGE"}
+    api = ui_to_api(outer, OBJECT_INFO)
+    assert api["3"]["inputs"]["images"] == ["2:12:9", 0]
+    assert api["2:12:9"]["class_type"] == "EmptyImage"
+
+
+def test_dynamic_combo_and_autogrow_inputs_keep_their_dotted_names():
+    info = {
+        "SaveVideo": {"input": {"required": {
+            "video": ["VIDEO", {}], "filename_prefix": ["STRING", {}],
+            "format": ["COMFY_DYNAMICCOMBO_V3", {"options": [
+                {"key": "auto", "inputs": {"required": {"codec": ["COMFY_DYNAMICCOMBO_V3", {
+                    "options": [{"key": "auto", "inputs": {"required": {}}},
+                                {"key": "h264", "inputs": {"optional": {
+                                    "crf": ["FLOAT", {"default": 23.0}]}}}]}]}}},
+                {"key": "webm", "inputs": {"required": {}}}]}]}},
+            "input_order": {"required": ["video", "filename_prefix", "format"]},
+            "output": [], "output_node": True},
+        "Refs": {"input": {"optional": {"refs": ["COMFY_AUTOGROW_V3", {"template": {
+            "input": {"required": {"ref": ["IMAGE", {}]}}, "prefix": "ref_", "min": 0,
+            "max": 3}}]}}, "input_order": {"optional": ["refs"]}, "output": ["CONDITIONING"]},
+        "LoadImage": OBJECT_INFO.get("LoadImage") or {
+            "input": {"required": {"image": [["a.png"], {"image_upload": True}]}},
+            "input_order": {"required": ["image"]}, "output": ["IMAGE", "MASK"]},
+    }
+    ui = {"nodes": [
+        {"id": 1, "type": "SaveVideo", "mode": 0, "inputs": [slot("video", "VIDEO", None)],
+         "widgets_values": ["v/h3", "auto", "h264", 18.0]},
+        {"id": 2, "type": "LoadImage", "mode": 0, "widgets_values": ["a.png", "image"]},
+        {"id": 3, "type": "Refs", "mode": 0,
+         "inputs": [slot("refs.ref_0", "IMAGE", 1), slot("refs.ref_1", "IMAGE", None)]},
+    ], "links": [[1, 2, 0, 3, 0, "IMAGE"]], "version": 0.4}
+    api = ui_to_api(ui, info)
+    assert api["1"]["inputs"] == {"filename_prefix": "v/h3", "format": "auto",
+                                  "format.codec": "h264", "format.codec.crf": 18.0}
+    assert api["2"]["inputs"] == {"image": "a.png"}  # the upload widget feeds no input
+    assert api["3"]["inputs"] == {"refs.ref_0": ["2", 0]}
+    problems = check_prompt(api, info)
+    assert [p.message for p in problems] == ["required input 'video' is missing; connect or "
+                                             "set it (a workflow saved by a newer ComfyUI may "
+                                             "name it differently: update the server)"]
+    api["1"]["inputs"]["format.codec"] = "vp9"
+    assert "'format.codec' = 'vp9' is not offered" in str(check_prompt(api, info))
 
 
 def test_widget_order_follows_input_order_and_skips_sockets():
@@ -189,3 +318,13 @@ def test_no_turbo_rewires_consumers_of_the_lora_to_its_model_source():
     assert bypassed["3"]["inputs"] == {"model": ["1", 0], "latent_image": ["9", 0]}
     assert "bypassed" in changes[0]
     assert prompt["3"]["inputs"]["model"] == ["2", 0]  # the caller's graph is untouched
+
+
+def test_missing_h3_classes_say_which_comfyui_is_needed():
+    graph = {"1": {"class_type": "MiniMaxH3ImageToVideo", "inputs": {}},
+             "2": {"class_type": "MiniMaxH3LatentUpscaleWithModel", "inputs": {}},
+             "3": {"class_type": "H3MultiGPU", "inputs": {}}}
+    text = "\n".join(str(p) for p in check_prompt(graph, OBJECT_INFO))
+    assert "MiniMax H3 nodes (ComfyUI#15224 or newer; update ComfyUI)" in text
+    assert "use this pack's 'H3 Latent Upscale'" in text
+    assert "install or update this pack (comfyui-h3-multigpu)" in text

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from h3_multigpu.dual_sage import (
     DualSageConfig,
+    ExactRange,
     ShardedAttention,
     ShardPlan,
     TransportMode,
@@ -15,7 +16,9 @@ from h3_multigpu.dual_sage import (
     sizing,
 )
 from h3_multigpu.dual_sage import sharded as sharded_module
-from h3_multigpu.kernels import attention, list_backends
+from h3_multigpu.dual_sage.apply import per_heads
+from h3_multigpu.kernels import list_backends
+from h3_multigpu.kernels.comfy_calling import backend_function
 from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 pytestmark = pytest.mark.multi_gpu
@@ -31,25 +34,55 @@ def h3_qkv(seq_len, heads=56, head_dim=128, seed=0):
                  for t in qkv.split(heads * head_dim, dim=-1))
 
 
+def sdpa(q, k, v):
+    """PyTorch SDPA with its default kernel choice (attend's contract: [1, h, S, D])."""
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def whole(q, k, v):
+    b, h, s, d = q.shape
+    return sdpa(q, k, v).transpose(1, 2).reshape(b, s, h * d)
+
+
 def plan(counts=(28, 28)):
     return ShardPlan(devices=(ROOT, HELPER), head_counts=counts)
 
 
 @pytest.mark.parametrize("transport", [TransportMode.PEER, TransportMode.HOST])
-@pytest.mark.parametrize("seq_len,counts", [(4099, (28, 28)), (8192, (32, 24))])
-def test_split_is_bit_identical_to_one_gpu(transport, seq_len, counts):
-    q, k, v = h3_qkv(seq_len)
+@pytest.mark.parametrize("seq_len,counts", [(3_320, (28, 28)), (4099, (28, 28)),
+                                            (8192, (32, 24))])
+def test_split_in_the_exact_range_is_bit_identical_to_one_gpu(transport, seq_len, counts):
+    """The shipped exact range at work: at 3,320 tokens 4-head chunks are inexact with flash,
+    so the chunks grow; the split stays bit-identical at every length."""
     with torch.cuda.device(ROOT):
-        reference = attention(q, k, v, output="BSF")
-        shard = ShardedAttention(plan(counts), transport=transport)
+        shard = ShardedAttention(plan(counts), transport=transport,
+                                 exact_range=ExactRange.load())
         for seed in (0, 1):  # the second call reuses every buffer
-            if seed:
-                q, k, v = h3_qkv(seq_len, seed=seed)
-                reference = attention(q, k, v, output="BSF")
-            out = shard(q, k, v)
+            q, k, v = h3_qkv(seq_len, seed=seed)
+            out = shard(q, k, v, sdpa)
             assert shard.last_route == "split"
-            assert torch.equal(out, reference)
+            assert torch.equal(out, whole(q, k, v))
         assert torch.cuda.current_stream(ROOT) == torch.cuda.default_stream(ROOT)
+
+
+def test_comfyuis_sdpa_priority_split_is_bit_identical():
+    """The function ComfyUI runs on CUDA (SDPA under its backend priority), sharded."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+    def comfy_like(q, k, v):
+        with sdpa_kernel(order, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    with torch.cuda.device(ROOT):
+        shard = ShardedAttention(plan(), exact_range=ExactRange.load())
+        for seq_len in (3_320, 16_008):
+            q, k, v = h3_qkv(seq_len)
+            reference = comfy_like(q, k, v).transpose(1, 2).reshape(1, seq_len, -1)
+            assert torch.equal(shard(q, k, v, comfy_like), reference)
+        assert shard.routes["split"] == 2
 
 
 def test_helper_memory_is_bounded_by_the_ring():
@@ -60,10 +93,14 @@ def test_helper_memory_is_bounded_by_the_ring():
         torch.cuda.synchronize(HELPER)
         torch.cuda.reset_peak_memory_stats(HELPER)
         base = torch.cuda.memory_allocated(HELPER)
-        shard(q, k, v)
+        shard(q, k, v, sdpa)
         torch.cuda.synchronize(ROOT)
         torch.cuda.synchronize(HELPER)
         peak = torch.cuda.max_memory_allocated(HELPER) - base
+        shard.release()
+        torch.cuda.synchronize(ROOT)
+        torch.cuda.synchronize(HELPER)
+        assert torch.cuda.memory_allocated(HELPER) == base  # release hands everything back
     bound = sizing.helper_workspace_bytes(seq_len, 28, 128)
     assert peak <= 1.5 * bound, (peak, bound)
     assert peak < 28 * 4 * seq_len * 128 * 2  # far below holding all helper heads at once
@@ -86,9 +123,11 @@ def test_quantizing_backend_split_error_is_bounded(backend):
             pytest.skip("; ".join(problems))
         reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         reference = reference.transpose(1, 2).reshape(1, 8192, -1)
-        bf16_error = relative_error(attention(q, k, v, output="BSF"), reference)
-        single = relative_error(attention(q, k, v, backend=backend, output="BSF"), reference)
-        split = relative_error(ShardedAttention(plan(), backend=backend)(q, k, v), reference)
+        bf16_error = relative_error(whole(q, k, v), reference)
+        function = backend_function(backend)
+        single = relative_error(function(q, k, v, 56, skip_reshape=True), reference)
+        attend = per_heads(function, {"skip_reshape": True})
+        split = relative_error(ShardedAttention(plan())(q, k, v, attend), reference)
     assert split <= 12.0 * bf16_error, (split, bf16_error)
     assert split <= 1.15 * single + 1e-4, (split, single)
 
@@ -97,20 +136,21 @@ def test_helper_failure_falls_back_on_the_root(monkeypatch, caplog):
     sharded_module._warned.clear()
     q, k, v = h3_qkv(4099)
 
-    def failing(self, backend, slot, scale):
+    def failing(self, attend, slot):
         raise torch.OutOfMemoryError("simulated: CUDA out of memory on the helper")
 
     with torch.cuda.device(ROOT):
-        reference = attention(q, k, v, output="BSF")
+        reference = whole(q, k, v)
         shard = ShardedAttention(plan(), chunk_heads=4)
         monkeypatch.setattr(ShardedAttention, "_helper_attention", failing)
         with caplog.at_level(logging.WARNING, logger=sharded_module.__name__):
-            outs = [shard(q, k, v) for _ in range(2)]
-        assert shard.last_route == "fallback"
+            outs = [shard(q, k, v, sdpa) for _ in range(2)]
+        assert shard.last_route == "fallback" and shard.workspace_allocations == 1
         assert all(torch.equal(o, reference) for o in outs)
         assert len([r for r in caplog.records if "helper failed" in r.getMessage()]) == 1
         monkeypatch.undo()
-        assert torch.equal(shard(q, k, v), reference) and shard.last_route == "split"
+        shard.release()  # ComfyUI's cleanup after the run: the next run retries
+        assert torch.equal(shard(q, k, v, sdpa), reference) and shard.last_route == "split"
 
 
 def test_twin_on_two_gpus_is_bit_identical_and_root_is_current():

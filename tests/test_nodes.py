@@ -4,6 +4,7 @@ the attention override and the ComfyUI-side placement fallbacks (on the twin, no
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -29,7 +30,12 @@ from h3_multigpu.nodes.placement import (
     placement_from_plan,
     should_release_text_encoder,
 )
-from h3_multigpu.nodes.status import compose_status, feature_lines, record
+from h3_multigpu.nodes.status import (
+    comfyui_support_line,
+    compose_status,
+    feature_lines,
+    record,
+)
 from h3_multigpu.twin import TwinPatcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,7 +239,7 @@ def test_plan_feature_strings_are_what_the_configs_parse():
     if isinstance(dual, dict):
         assert sum(inputs.parse_split(dual["split"])) == 56
         assert parse_device_list(dual["helpers"]) == list(plan.dual_sage.helper_devices)
-        assert dual["backend"] == "sdpa"  # exact unless the user picks otherwise
+        assert dual["backend"] == "comfyui"  # ComfyUI's own attention, sharded: exact
     else:
         assert dual.startswith("off:")
     for name in ("chunking", "prefetch"):
@@ -275,7 +281,8 @@ def test_backend_override_matches_the_default_attention_and_chains(tiny_twin, ti
     torch.testing.assert_close(out[0], plain[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(out[1], plain[1], rtol=0, atol=1e-6)
     assert len(calls) == 4  # refiner + 3 blocks, each through the previous override ...
-    assert all(c.__name__ == "ours" for c in calls)  # ... which received our kernel as func
+    # ... which received our kernel as func
+    assert all(c.backend.name == "sdpa" for c in calls)
     assert base.model_options["transformer_options"][OVERRIDE_KEY] is previous
     assert "chained" in feature_lines(patched.model_options)["attention"]
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -364,15 +371,34 @@ def test_package_imports_without_comfyui_and_the_extension_needs_it():
 
 # ------------------------------------------------------ the libraries behind the nodes
 def test_plan_chunking_is_applied_exactly_on_the_twin(tiny_twin, tiny_inputs):
-    pytest.importorskip("h3_multigpu.chunking")
+    chunking = pytest.importorskip("h3_multigpu.chunking")
     plan = _plan("2xR9700", seconds=15)
+    assert plan.chunking.ffn_chunk > 44  # the real plan's chunks exceed the tiny sequence:
+    # shrink them (the plan object is what apply_plan reads) so the 44-token twin is cut
+    plan.chunking = dataclasses.replace(plan.chunking, ffn_chunk=16, qkv_chunk=12, head_group=3)
     model = TwinPatcher(tiny_twin)
     out, lines = apply_plan(model, plan, decide_placement(PAIR),
                             disabled=("dual_sage", "sequence"))
     assert out is not model and lines["chunking"].startswith("on")
-    assert str(plan.chunking.ffn_chunk) in lines["chunking"]
-    plain, chunked = model.apply_model(*tiny_inputs), out.apply_model(*tiny_inputs)
-    assert torch.equal(plain[0], chunked[0]) and torch.equal(plain[1], chunked[1])
+    assert "16" in lines["chunking"]
+    rows = {"fc1": [], "qkv_proj": []}
+    block = tiny_twin.blocks[0]
+    hooks = [block.mlp.fc1.register_forward_hook(lambda m, i, o: rows["fc1"].append(len(i[0]))),
+             block.attn.qkv_proj.register_forward_hook(
+                 lambda m, i, o: rows["qkv_proj"].append(len(i[0])))]
+    try:
+        planned = out.apply_model(*tiny_inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # S = 44 rows cut into ceil(44 / chunk) balanced chunks of at most the plan's rows
+    assert sum(rows["fc1"]) == 44 and len(rows["fc1"]) == 3 and max(rows["fc1"]) <= 16
+    assert sum(rows["qkv_proj"]) == 44 and len(rows["qkv_proj"]) == 4
+    # the same computation as the library applied directly with the plan's numbers
+    direct = chunking.apply_activation_chunking(
+        TwinPatcher(tiny_twin), chunking.ChunkingConfig(ffn_chunk=16, qkv_chunk=12, head_group=3))
+    expected = direct.apply_model(*tiny_inputs)
+    assert torch.equal(planned[0], expected[0]) and torch.equal(planned[1], expected[1])
 
 
 def test_a_missing_library_is_reported_not_silent(tiny_twin, monkeypatch):
@@ -404,3 +430,14 @@ def test_sizes_in_bytes():
     for bad in ("24 parsecs", "-1GiB", "GiB"):
         with pytest.raises(ValueError, match="24GiB"):
             inputs.parse_bytes(bad, "pinned_budget")
+
+
+def test_status_says_whether_this_comfyui_runs_the_bundled_workflows():
+    old = comfyui_support_line({"KSampler": object})
+    assert old.startswith("ComfyUI: NO MiniMax H3 nodes") and "update ComfyUI" in old
+    assert "MiniMaxH3ImageToVideo" in old and "H3 Latent Upscale" in old
+    h3 = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1})
+    assert h3.startswith("ComfyUI: MiniMax H3 nodes present") and "is not needed" in h3
+    newest = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1,
+                                   "MiniMaxH3LatentUpscaleWithModel": 1})
+    assert "is also present" in newest

@@ -1,16 +1,27 @@
-"""The bundled workflows: known node types, well-typed links, UI and API twins describing the
-same graph, titles the client patches, sizes and frame counts valid for H3."""
+"""The bundled workflows against the real node schemas (tests/data/object_info_*.json): link
+records that agree with the nodes and name the intended inputs, widget values laid out as the
+editor (frontend 1.58) lays them out, UUID ids, the template shape, one source for the sizes,
+and UI and API twins that describe the same graph (the generator, the client's conversion and
+`h3-multigpu submit --check` all give the bundled API file)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+from fake_comfy_server import FakeComfyServer
+from workflow_bed import needed_files
 
 from h3_multigpu import geometry, nodes
+from h3_multigpu.client import editor, ui_to_api
+from h3_multigpu.client.cli import main as cli_main
+from h3_multigpu.client.validate import check_prompt
 from h3_multigpu.nodes import inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,19 +29,15 @@ WORKFLOWS = ROOT / "workflows"
 DATA = Path(__file__).resolve().parent / "data"
 # the project's shared/ folder sits beside the checkout (CI lays a copy there too)
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "templates"
-NAMES = ("h3_multigpu_two_pass_t2v", "h3_multigpu_two_pass_i2v")
+KINDS = ("t2v", "i2v", "r2v")
+NAMES = tuple(f"h3_multigpu_two_pass_{k}" for k in KINDS)
 TITLES = ("Prompt", "Seconds", "Seed", "PASS1 Width", "PASS1 Height", "PASS2 Width",
           "PASS2 Height", "PASS1 Steps", "PASS2 Steps", "Turbo LoRA", "Save Video")
 
-CORE = json.loads((DATA / "core_node_schemas.json").read_text())["nodes"]
-PACK = json.loads((DATA / "pack_node_schemas.json").read_text())["nodes"]
+CORE = json.loads((DATA / "object_info_h3.json").read_text())["served"]
+PACK = json.loads((DATA / "object_info_pack.json").read_text())["served"]
 SCHEMAS = {**CORE, **PACK}
-
-
-def _load(name: str) -> tuple[dict, dict]:
-    ui = json.loads((WORKFLOWS / f"{name}.json").read_text())
-    api = json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
-    return ui, api
+EDITOR_ONLY = ("MarkdownNote", "Note")
 
 
 def _builder():
@@ -42,30 +49,46 @@ def _builder():
     return module
 
 
-def _ui_as_api(ui: dict) -> dict:
-    """Read a UI-format workflow into API form using the pinned schemas (independently of the
-    builder): widgets_values by widget order, frontend-only extras skipped, links resolved."""
-    links = {link[0]: link for link in ui["links"]}
-    out = {}
-    for node in ui["nodes"]:
-        schema = SCHEMAS[node["type"]]
-        linked = {i["name"]: links[i["link"]] for i in node["inputs"] if i.get("link") is not None}
-        values = list(node["widgets_values"])
-        inputs_ = {}
-        for spec in schema["inputs"]:
-            if spec.get("widget"):
-                value = values.pop(0)
-                if "ui_extra" in spec:
-                    assert values.pop(0) in ("fixed", "randomize", "image")
-                if spec["name"] not in linked:
-                    inputs_[spec["name"]] = value
-            if spec["name"] in linked:
-                link = linked[spec["name"]]
-                inputs_[spec["name"]] = [str(link[1]), link[2]]
-        assert values == [], f"node {node['id']} has extra widget values {values}"
-        out[str(node["id"])] = {"class_type": node["type"], "inputs": inputs_,
-                                "_meta": {"title": node["title"]}}
+def _load(name: str) -> tuple[dict, dict]:
+    ui = json.loads((WORKFLOWS / f"{name}.json").read_text())
+    api = json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
+    return ui, api
+
+
+def _graphs(ui: dict) -> list[tuple[str, dict, dict[int, tuple]]]:
+    """(label, graph, {link id: (origin, origin slot, target, target slot, type)})."""
+    out = []
+    root_links = {link[0]: tuple(link[1:6]) for link in ui["links"]}
+    out.append(("root", ui, root_links))
+    for sub in ui["definitions"]["subgraphs"]:
+        links = {link["id"]: (link["origin_id"], link["origin_slot"], link["target_id"],
+                              link["target_slot"], link["type"]) for link in sub["links"]}
+        out.append((sub["name"], sub, links))
     return out
+
+
+def _subgraph_ids(ui: dict) -> set[str]:
+    return {sub["id"] for sub in ui["definitions"]["subgraphs"]}
+
+
+def served_with_files() -> dict:
+    """The served schemas as a server with the workflows' model files and images installed."""
+    info = json.loads(json.dumps(SCHEMAS))
+    files = needed_files((WORKFLOWS / "api").glob("*.json"))
+    folder_of = {"unet_name": "diffusion_models", "clip_name": "text_encoders",
+                 "vae_name": "vae", "lora_name": "loras", "upscaler_name":
+                 "latent_upscale_models", "model_name": "latent_upscale_models",
+                 "image": "input"}
+    for entry in info.values():
+        for section in ("required", "optional"):
+            for name, spec in (entry["input"].get(section) or {}).items():
+                if name in folder_of and (isinstance(spec[0], list) or spec[0] == "COMBO"):
+                    names = sorted(files.get(folder_of[name], ()))
+                    if isinstance(spec[0], list):
+                        spec[0] = sorted(set(spec[0]) | set(names))
+                    else:
+                        spec[1]["options"] = sorted(set(spec[1]["options"]) | set(names))
+    return info
 
 
 @pytest.fixture(params=NAMES)
@@ -73,110 +96,241 @@ def workflow(request):
     return request.param, *_load(request.param)
 
 
-def test_every_node_type_is_ours_or_a_pinned_core_node(workflow):
-    _, ui, api = workflow
-    for node in ui["nodes"]:
-        kind = node["type"]
-        assert kind in SCHEMAS, f"{kind} is neither a pack node nor a pinned core node"
-        if kind.startswith("H3MultiGPU"):
-            assert kind in nodes.NODE_IDS
-        else:
-            assert CORE[kind]["source"]
-    assert {n["class_type"] for n in api.values()} == {n["type"] for n in ui["nodes"]}
+def test_files_are_what_the_generator_writes(workflow):
+    name, _, _ = workflow
+    builder = _builder()
+    built_ui, built_api = builder.build_all()[name]
+    assert (WORKFLOWS / f"{name}.json").read_text() == builder.dump_ui(built_ui), \
+        "run: python workflows/build_workflows.py"
+    assert (WORKFLOWS / "api" / f"{name}.json").read_text() == builder.dump_api(built_api)
 
 
-def test_links_are_well_formed_and_typed(workflow):
+def test_ids_are_uuids_as_the_editor_validator_requires(workflow):
     _, ui, _ = workflow
-    by_id = {n["id"]: n for n in ui["nodes"]}
-    ids = [link[0] for link in ui["links"]]
-    assert len(ids) == len(set(ids)) and max(ids) == ui["last_link_id"]
-    assert max(by_id) == ui["last_node_id"]
-    for link_id, src, src_slot, dst, dst_slot, kind in ui["links"]:
-        source, target = by_id[src], by_id[dst]
-        out_spec = SCHEMAS[source["type"]]["outputs"][src_slot]
-        assert out_spec["type"] == kind, f"link {link_id}: {source['type']} gives {out_spec}"
-        assert link_id in (source["outputs"][src_slot]["links"] or [])
-        ends = [i for i in target["inputs"] if i.get("link") == link_id]
-        assert len(ends) == 1, f"link {link_id} must end at exactly one input"
-        in_spec = SCHEMAS[target["type"]]["inputs"][dst_slot]
-        assert in_spec["name"] == ends[0]["name"], f"link {link_id}: slot and name disagree"
-        assert in_spec["type"] == kind == ends[0]["type"], (
-            f"link {link_id}: {source['type']}.{out_spec['name']} ({kind}) -> "
-            f"{target['type']}.{in_spec['name']} ({in_spec['type']})")
-    for node in ui["nodes"]:  # every required socket is connected: nothing fails validation
-        connected = {i["name"] for i in node["inputs"] if i.get("link") is not None}
-        for spec in SCHEMAS[node["type"]]["inputs"]:
-            if not spec.get("widget") and not spec.get("optional"):
-                assert spec["name"] in connected, f"{node['title']}.{spec['name']} is unlinked"
+    ids = [ui["id"]]
+    for sub in ui["definitions"]["subgraphs"]:
+        ids += [sub["id"], *(slot["id"] for slot in sub["inputs"] + sub["outputs"])]
+    for value in ids:
+        assert str(uuid.UUID(value)) == value, f"{value!r} is not a UUID"
+    assert len(set(ids)) == len(ids)
+    instances = [n for n in ui["nodes"] if n["type"] in _subgraph_ids(ui)]
+    assert len(instances) == 1
 
 
-def test_execution_order_respects_links(workflow):
+def test_link_records_agree_with_the_nodes(workflow):
+    """What the editor's link fixer checks: every record's target slot carries that link and
+    its origin output lists it; no input or output names a link that does not exist."""
     _, ui, _ = workflow
-    order = {n["id"]: n["order"] for n in ui["nodes"]}
-    assert sorted(order.values()) == list(range(len(order)))
-    for _, src, _, dst, _, _ in ui["links"]:
-        assert order[src] < order[dst]
+    all_ids = []
+    for label, graph, links in _graphs(ui):
+        by_id = {n["id"]: n for n in graph["nodes"]}
+        all_ids += list(links)
+        for link_id, (origin, origin_slot, target, target_slot, _kind) in links.items():
+            if target == -20:
+                assert link_id in graph["outputs"][target_slot]["linkIds"], (label, link_id)
+            else:
+                slot = by_id[target]["inputs"][target_slot]
+                assert slot["link"] == link_id, (
+                    f"{label}: link {link_id} names slot {target_slot} ({slot['name']}) of "
+                    f"node {target}, which carries link {slot['link']}")
+            if origin == -10:
+                assert link_id in graph["inputs"][origin_slot]["linkIds"], (label, link_id)
+            else:
+                assert link_id in (by_id[origin]["outputs"][origin_slot]["links"] or [])
+        for node in graph["nodes"]:
+            for slot in node.get("inputs") or []:
+                assert slot["link"] is None or slot["link"] in links, (label, node["id"])
+            for out in node.get("outputs") or []:
+                assert all(link in links for link in out["links"] or []), (label, node["id"])
+    assert len(all_ids) == len(set(all_ids)) and max(all_ids) == ui["last_link_id"]
 
 
-def test_ui_and_api_describe_the_same_graph(workflow):
-    _, ui, api = workflow
-    assert _ui_as_api(ui) == api
+def _types_meet(sent: str, accepted: str) -> bool:
+    return bool({t.strip() for t in sent.split(",")} & {t.strip() for t in accepted.split(",")})
 
 
-def test_files_are_what_the_builder_writes(workflow):
+def test_every_link_reaches_its_intended_input_by_name(workflow):
+    """The generator's description (which input each wire feeds) against the written link
+    records: the slot a record names is that input, and the types are the served ones."""
+    name, ui, _ = workflow
+    wf = _builder().two_pass(name.rsplit("_", 1)[1])
+    wf.ui()
+    records = {}
+    for _label, graph, links in _graphs(ui):
+        by_id = {n["id"]: n for n in graph["nodes"]}
+        for link_id, (origin, origin_slot, target, target_slot, kind) in links.items():
+            records[link_id] = (by_id.get(target), target_slot, by_id.get(origin), origin_slot,
+                                kind)
+    checked = 0
+    for graph in [wf.root, *wf.subgraphs]:
+        for _src, _out, target, input_name in wf._edges(graph):
+            node, slot, origin, origin_slot, kind = records[wf._link_id(target, input_name)]
+            if node is None:  # into the subgraph's output node
+                continue
+            assert node["inputs"][slot]["name"] == input_name, (node["title"], input_name)
+            if origin is not None and node["type"] in SCHEMAS and origin["type"] in SCHEMAS:
+                sent = SCHEMAS[origin["type"]]["output"][origin_slot]
+                spec = editor.declared_inputs(SCHEMAS[node["type"]])
+                wanted = {n: (k if not isinstance(k, list) else "COMBO") for n, k, *_ in spec}
+                accepted = wanted.get(input_name) or editor.autogrow_type(dict(
+                    next(o for n, k, o, _ in spec if input_name.startswith(n + "."))))
+                assert sent == kind and _types_meet(sent, accepted), (input_name, sent)
+            checked += 1
+    assert checked >= 50
+
+
+def test_widget_values_are_laid_out_as_the_editor_does(workflow):
+    """widgets_values has one value per widget the served schema gives (DynamicCombo options,
+    control and upload widgets included), named the same in widgets_values_named."""
+    _, ui, _ = workflow
+    subgraphs = _subgraph_ids(ui)
+    for label, graph, _ in _graphs(ui):
+        for node in graph["nodes"]:
+            kind = node["type"]
+            if kind in EDITOR_ONLY:
+                assert len(node["widgets_values"]) == 1
+                continue
+            if kind in subgraphs:
+                promoted = [s["name"] for s in node["inputs"] if s.get("widget")]
+                assert list(node["widgets_values_named"]) == promoted
+                assert node["widgets_values"] == list(node["widgets_values_named"].values())
+                continue
+            info = SCHEMAS[kind]
+            named = node.get("widgets_values_named", {})
+            layout = editor.widgets(info, named)
+            assert [w.name for w in layout] == list(named), (label, node["title"])
+            assert node.get("widgets_values", []) == list(named.values()), node["title"]
+            values = editor.widget_values_by_input(info, node.get("widgets_values", []))
+            linked = {s["name"] for s in node["inputs"] if s["link"] is not None}
+            for widget in layout:
+                if widget.input is None or widget.input in linked:
+                    continue
+                value = values[widget.input]
+                options = editor.combo_keys(widget.options) if widget.kind == \
+                    editor.DYNAMIC_COMBO else widget.options.get("options") or (
+                    widget.kind if isinstance(widget.kind, list) else None)
+                if options and widget.input not in ("unet_name", "clip_name", "vae_name",
+                                                     "lora_name", "image", "upscaler_name"):
+                    assert value in options, (node["title"], widget.input, value)
+                low, high = widget.options.get("min"), widget.options.get("max")
+                if low is not None:
+                    assert low <= value <= high, (node["title"], widget.input, value)
+
+
+def test_the_known_widget_layouts_of_save_and_create_video():
+    """The defects seen in the frontend: CreateVideo has 4 widgets upstream, SaveVideo's
+    format is a DynamicCombo whose codec follows it, and its hidden codec is still a widget."""
+    assert [w.name for w in editor.widgets(CORE["CreateVideo"])] == [
+        "fps", "bit_depth", "color_space", "codec"]
+    save = editor.widgets(CORE["SaveVideo"], {"format": "auto"})
+    assert [w.name for w in save] == ["filename_prefix", "format", "format.codec", "codec"]
+    assert [s.name for s in editor.slots(CORE["SaveVideo"])] == [
+        "video", "filename_prefix", "format", "format.codec", "codec"]
+    r2v = editor.slots(CORE["MiniMaxH3ReferenceToVideo"],
+                       connected={"ref_images.ref_image_0", "ref_images.ref_image_1"})
+    assert [s.name for s in r2v][:6] == ["clip", "vae", "audio_vae", "ref_images.ref_image_0",
+                                         "ref_images.ref_image_1", "ref_images.ref_image_2"]
+    assert [w.name for w in editor.widgets(CORE["RandomNoise"])] == [
+        "noise_seed", "control_after_generate"]
+    assert [w.name for w in editor.widgets(CORE["LoadImage"])] == ["image", "upload"]
+
+
+def test_shaped_like_the_official_templates(workflow):
     name, ui, api = workflow
-    built_ui, built_api = _builder().build_all()[name]
-    assert built_ui == ui and built_api == api, "run: python workflows/build_workflows.py"
-
-
-def test_every_node_has_a_unique_title_and_the_client_titles_exist(workflow):
-    _, ui, api = workflow
-    titles = [n["title"] for n in ui["nodes"]]
-    assert all(t.strip() for t in titles) and len(titles) == len(set(titles))
-    by_title = {n["_meta"]["title"]: n for n in api.values()}
-    for title in TITLES:
-        assert title in by_title, f"missing node titled {title!r}"
-    assert by_title["Save Video"]["class_type"] == "SaveVideo"
-    assert by_title["Turbo LoRA"]["class_type"] == "LoraLoaderModelOnly"
-    assert by_title["Seconds"]["inputs"]["seconds"] == 5.0
-    assert by_title["Prompt"]["inputs"]["value"].strip()
+    top = ui["nodes"]
+    assert len(top) <= 10, [n["type"] for n in top]
+    kinds = [n["type"] for n in top]
+    note = next(n for n in top if n["type"] == "MarkdownNote")["widgets_values"][0]
+    for needle in ("H3 Multi-GPU", "models/diffusion_models/", "gpu:0", "gpu:1",
+                   "MiniMaxH3LatentUpscaleWithModel"):
+        assert needle in note, needle
+    assert "SaveVideo" in kinds and "H3MultiGPUShowText" in kinds
+    (sub,) = ui["definitions"]["subgraphs"]
+    promoted = [s["name"] for s in sub["inputs"] if s["name"] in ("prompt", "seconds", "seed")]
+    assert promoted == ["prompt", "seconds", "seed"]
+    sockets = [s["name"] for s in sub["inputs"] if s["type"] == "IMAGE"]
+    assert sockets == {"t2v": [], "i2v": ["first_frame"],
+                       "r2v": ["reference_1", "reference_2"]}[name.rsplit("_", 1)[1]]
+    assert kinds.count("LoadImage") == len(sockets)
+    groups = [g["title"] for g in sub["groups"]]
+    for stage in ("gpu:0 text encoder", "gpu:1 PASS1", "gpu:0 latent upscale", "gpu:1 PASS2",
+                  "gpu:0 decode"):
+        assert any(g.startswith(stage) for g in groups), stage
+    assert not any(n["class_type"] == "MiniMaxH3LatentUpscaleWithModel" for n in api.values())
 
 
 def _by_title(api: dict) -> dict:
     return {n["_meta"]["title"]: (node_id, n) for node_id, n in api.items()}
 
 
-def _source(api: dict, node: dict, name: str) -> tuple[str, dict, int]:
-    node_id, slot = node["inputs"][name]
-    return node_id, api[node_id], slot
-
-
-def test_sizes_and_frames_are_valid_and_wired_where_they_belong(workflow):
+def test_one_source_for_the_sizes(workflow):
+    """PASS1 and PASS2 sizes live in four nodes that feed the placement (its plan), PASS1,
+    the upscale; no other node carries a literal size."""
     _, _, api = workflow
     t = _by_title(api)
+    size_ids = {t[k][0] for k in ("PASS1 Width", "PASS1 Height", "PASS2 Width", "PASS2 Height")}
     value = {k: t[k][1]["inputs"]["value"] for k in
              ("PASS1 Width", "PASS1 Height", "PASS2 Width", "PASS2 Height")}
     assert (value["PASS1 Width"], value["PASS1 Height"]) == (864, 480)
     assert (value["PASS2 Width"], value["PASS2 Height"]) == (1312, 736)  # not 1.5x = 1280x704
-    assert inputs.check_two_pass(value["PASS1 Width"], value["PASS1 Height"],
-                                 value["PASS2 Width"], value["PASS2 Height"]) is None
-    cond = next(n for n in api.values() if n["class_type"] == "MiniMaxH3ImageToVideo")
-    upscale = next(n for n in api.values()
-                   if n["class_type"] == "MiniMaxH3LatentUpscaleWithModel")
-    plan = next(n for n in api.values() if n["class_type"] == "H3MultiGPUPlan")
-    wiring = {(id(cond), "width"): "PASS1 Width", (id(cond), "height"): "PASS1 Height",
-              (id(upscale), "width"): "PASS2 Width", (id(upscale), "height"): "PASS2 Height",
-              (id(plan), "pass1_width"): "PASS1 Width", (id(plan), "pass2_height"): "PASS2 Height"}
-    nodes_by_key = {id(cond): cond, id(upscale): upscale, id(plan): plan}
-    for (key, name), title in wiring.items():
-        assert nodes_by_key[key]["inputs"][name][0] == t[title][0], f"{name} not from {title}"
+    assert inputs.check_two_pass(*value.values()) is None
+    place, cond, upscale = (t[k][1] for k in ("Multi-GPU Placement", "PASS1 Conditioning",
+                                               "Latent Upscale"))
+    wiring = [(place, "pass1_width", "PASS1 Width"), (place, "pass1_height", "PASS1 Height"),
+              (place, "pass2_width", "PASS2 Width"), (place, "pass2_height", "PASS2 Height"),
+              (cond, "width", "PASS1 Width"), (cond, "height", "PASS1 Height"),
+              (upscale, "width", "PASS2 Width"), (upscale, "height", "PASS2 Height")]
+    for node, name, title in wiring:
+        assert node["inputs"][name] == [t[title][0], 0], f"{name} not from {title}"
+    for node_id, node in api.items():
+        for name, value in node["inputs"].items():
+            if "width" in name or "height" in name:
+                assert node_id in size_ids or isinstance(value, list), (node_id, name)
     seconds_id = t["Seconds"][0]
-    assert cond["inputs"]["length"] == [seconds_id, 0]  # frames output
-    assert plan["inputs"]["seconds"] == [seconds_id, 1]  # the clip's real length
+    assert cond["inputs"]["length"] == [seconds_id, 0]  # frames
+    assert place["inputs"]["seconds"] == [seconds_id, 1]  # the clip's real length
     frames, _ = inputs.seconds_to_frames(t["Seconds"][1]["inputs"]["seconds"])
     assert geometry.validate_frames(frames) == 124
-    for width, height in ((864, 480), (1312, 736)):
-        assert geometry.PassGeometry(width, height, frames).tokens in (15_399, 35_305)
+
+
+def test_the_ui_file_converts_to_exactly_the_api_file(workflow):
+    name, ui, api = workflow
+    converted = ui_to_api(ui, SCHEMAS)
+    assert converted == api
+    assert json.dumps(converted, indent=2) + "\n" == (WORKFLOWS / "api" / f"{name}.json"
+                                                      ).read_text()
+
+
+def test_submit_check_prints_exactly_the_bundled_api_graph(workflow):
+    name, _, _ = workflow
+    out = io.StringIO()
+    with FakeComfyServer(object_info=served_with_files()) as fake, \
+            contextlib.redirect_stdout(out):
+        code = cli_main(["submit", str(WORKFLOWS / f"{name}.json"), "--server", fake.url,
+                         "--check"])
+    assert code == 0
+    assert out.getvalue() == (WORKFLOWS / "api" / f"{name}.json").read_text()
+
+
+def test_the_client_finds_nothing_to_fix(workflow):
+    _, _, api = workflow
+    assert check_prompt(api, served_with_files()) == []
+    # Without the model files the client names each one, as the server would.
+    problems = check_prompt(api, SCHEMAS)
+    assert problems and all("not offered by the server" in p.message for p in problems)
+
+
+def test_every_node_has_a_unique_title_and_the_client_titles_exist(workflow):
+    _, _, api = workflow
+    titles = [n["_meta"]["title"] for n in api.values()]
+    assert all(t.strip() for t in titles) and len(titles) == len(set(titles))
+    by_title = _by_title(api)
+    for title in TITLES:
+        assert title in by_title, f"missing node titled {title!r}"
+    assert by_title["Save Video"][1]["class_type"] == "SaveVideo"
+    assert by_title["Turbo LoRA"][1]["class_type"] == "LoraLoaderModelOnly"
+    assert by_title["Seconds"][1]["inputs"]["seconds"] == 5.0
+    assert by_title["Prompt"][1]["inputs"]["value"].strip()
 
 
 def test_pass2_is_a_short_renoise_of_the_upscaled_pass1(workflow):
@@ -184,8 +338,8 @@ def test_pass2_is_a_short_renoise_of_the_upscaled_pass1(workflow):
     t = _by_title(api)
     pass1, pass2 = t["PASS1 Sampler"][1], t["PASS2 Sampler"][1]
     sched1, sched2 = t["PASS1 Schedule"][1], t["PASS2 Schedule"][1]
-    assert pass2["inputs"]["latent_image"][0] == t["Latent Upscale"][0]
-    assert api[t["Latent Upscale"][0]]["inputs"]["samples"] == [t["PASS1 Sampler"][0], 0]
+    assert pass2["inputs"]["latent_image"] == [t["Latent Upscale"][0], 0]
+    assert t["Latent Upscale"][1]["inputs"]["samples"] == [t["PASS1 Sampler"][0], 0]
     assert pass1["inputs"]["sigmas"][0] == t["PASS1 Schedule"][0]
     assert pass2["inputs"]["sigmas"][0] == t["PASS2 Schedule"][0]
     assert sched1["inputs"]["denoise"] == 1.0
@@ -195,7 +349,10 @@ def test_pass2_is_a_short_renoise_of_the_upscaled_pass1(workflow):
     assert sched1["inputs"]["steps"] == [t["PASS1 Steps"][0], 0]
     assert sched2["inputs"]["steps"] == [t["PASS2 Steps"][0], 0]
     assert 0 < steps2 < steps1
-    # The same placed model samples both passes (one DiT resident on the root GPU).
+    # One seed for both passes; one placed model samples both (one DiT on the root GPU).
+    seed = [t["Seed"][0], 0]
+    assert t["PASS1 Noise"][1]["inputs"]["noise_seed"] == seed
+    assert t["PASS2 Noise"][1]["inputs"]["noise_seed"] == seed
     place = t["Multi-GPU Placement"][0]
     assert sched1["inputs"]["model"] == sched2["inputs"]["model"] == [place, 0]
 
@@ -207,6 +364,7 @@ def test_components_come_from_the_placement_node(workflow):
     assert t["Decode Video"][1]["inputs"]["vae"] == [place, 2]
     assert t["Decode Audio"][1]["inputs"]["vae"] == [place, 3]
     assert t["Latent Upscale"][1]["inputs"]["model"] == [place, 4]
+    assert t["Latent Upscale"][1]["class_type"] == "H3MultiGPULatentUpscale"
     assert t["PASS1 Conditioning"][1]["inputs"]["clip"] == [place, 1]
     assert t["Release Text Encoder"][1]["inputs"]["clip"] == [place, 1]
     assert t["GPU Status"][1]["inputs"]["text"] == [place, 6]
@@ -224,14 +382,24 @@ def test_image_to_video_reanchors_keyframes_at_pass2_size():
     assert t["PASS1 Conditioning"][1]["inputs"]["first_frame"] == [t["First Frame"][0], 0]
 
 
+def test_reference_to_video_feeds_both_references_through_autogrow():
+    _, api = _load("h3_multigpu_two_pass_r2v")
+    t = _by_title(api)
+    cond = t["PASS1 Conditioning"][1]
+    assert cond["class_type"] == "MiniMaxH3ReferenceToVideo"
+    assert cond["inputs"]["ref_images.ref_image_0"] == [t["Reference 1"][0], 0]
+    assert cond["inputs"]["ref_images.ref_image_1"] == [t["Reference 2"][0], 0]
+    assert "<Picture 1>" in t["Prompt"][1]["inputs"]["value"]
+    assert "ref2va" in t["Diffusion Model"][1]["inputs"]["unet_name"]
+
+
 def test_model_files_are_the_official_templates_names(workflow):
     if not TEMPLATES.is_dir():
         pytest.skip("official templates not present")
-    _, ui, _ = workflow
+    _, _, api = workflow
     official = " ".join(p.read_text() for p in TEMPLATES.glob("*.json"))
     loaders = {"UNETLoader": "unet_name", "CLIPLoader": "clip_name", "VAELoader": "vae_name",
                "LoraLoaderModelOnly": "lora_name"}
-    _, api = _load(workflow[0])
     for node in api.values():
         key = loaders.get(node["class_type"])
         if key:
@@ -252,13 +420,9 @@ def test_docs_name_every_node_and_title():
         assert f'"{title}"' in text, title
 
 
-def test_picture_is_rendered_from_the_t2v_workflow():
-    pil = pytest.importorskip("PIL.Image")
-    spec = importlib.util.spec_from_file_location("render_workflow",
-                                                  ROOT / "tools" / "render_workflow.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    ui, _ = _load("h3_multigpu_two_pass_t2v")
-    image = module.render(ui, "title")
-    shipped = pil.open(ROOT / "docs" / "images" / "two_pass_t2v.png")
-    assert shipped.size == image.size
+def test_readme_pictures_are_the_browser_screenshots():
+    readme = (ROOT / "README.md").read_text()
+    for name in NAMES:
+        picture = ROOT / "docs" / "images" / f"{name}.png"
+        assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
+        assert f"docs/images/{name}.png" in readme

@@ -1,10 +1,18 @@
-"""The twin's top-level DiT: packing, time embedding, RoPE table, the block loop.
+"""The twin's top-level DiT: the sampler-facing forward, packing, and the block loop.
 
-`MiniMaxH3Twin.forward(x=[video, audio], timestep, context, transformer_options)` follows
-upstream's `forward`/`_forward`: DIFFUSION_MODEL wrappers around `_forward`, the packed sequence
-`[text | audio | video]` with one modulation row per (segment, timestep), the rotation table
-computed once per forward, and per block either the block itself or
-`patches_replace["dit"][("double_block", i)]` with upstream's `args`/`original_block` contract.
+`MiniMaxH3Twin.forward(x=[video, audio], timestep, context, transformer_options,
+minimax_payload=None, denoise_mask=None, audio_denoise_mask=None)` does what upstream's does:
+
+1. the sampler carries the audio latent scaled by sigma_a / sigma_v (payload "audio_scale" != 1):
+   undo that before the network and turn the velocity back into one of the carried variable
+   after it, outside the DIFFUSION_MODEL wrappers;
+2. `_forward` (inside the wrappers) packs `[text | cond/ref rows | audio | video]` (the layout
+   prebuilt once per sampling run in the payload, else built here), runs the token refiner when
+   the context still has the text encoder's width, embeds the distinct timesteps, builds the
+   rotation table, runs every block or its `patches_replace["dit"][("double_block", i)]` patch
+   (args img, t_emb, mod_segments, rope_freqs, layout, transformer_options; the block accepts
+   `attention=`), then the output heads;
+3. masked rows' velocities are scaled by their mask.
 """
 
 from __future__ import annotations
@@ -16,222 +24,251 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .model import DiTBlock, FinalLayer, Segments, TokenRefiner, TwinConfig
+from .config import TwinConfig
+from .layout import SequenceLayout
+from .model import DiTBlock, FinalLayer, TimeEmbedder, TokenRefiner, _layers
+from .packing import (
+    audio_to_rows,
+    condition_rows,
+    merge_rows,
+    pad_to_even,
+    rows_to_audio,
+    rows_to_video,
+    video_to_rows,
+)
 from .rope import axis_inverse_frequencies, rope_rotation_table
+from .timesteps import plan_modulation, shift_sigma
 
 DIFFUSION_MODEL_WRAPPER = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL value
-
-
-def _patchify(video_BCTHW: torch.Tensor) -> torch.Tensor:
-    b, c, t, h, w = video_BCTHW.shape
-    x = video_BCTHW.reshape(b, c, t, h // 2, 2, w // 2, 2)
-    x = x.permute(0, 2, 3, 5, 1, 4, 6)  # b t h w c ph pw
-    return x.reshape(b * t * (h // 2) * (w // 2), c * 4)
-
-
-def _unpatchify(rows: torch.Tensor, t: int, h: int, w: int, c: int) -> torch.Tensor:
-    x = rows.reshape(1, t, h, w, c, 2, 2).permute(0, 4, 1, 2, 5, 3, 6)
-    return x.reshape(1, c, t, h * 2, w * 2)
-
-
-def _pack_audio(audio_BCKT: torch.Tensor) -> torch.Tensor:
-    # [1, 32, 2, T] -> [2T, 32], left channel rows then right channel rows
-    return audio_BCKT[0].permute(1, 2, 0).reshape(-1, audio_BCKT.shape[1])
-
-
-def _unpack_audio(rows: torch.Tensor) -> torch.Tensor:
-    t = rows.shape[0] // 2
-    return rows.reshape(2, t, rows.shape[-1]).permute(2, 0, 1).unsqueeze(0)
+SHIFT_KEYS = ("minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio")
 
 
 @dataclass
 class PackedInputs:
-    """Everything the block loop consumes; built once per forward."""
+    """Everything the block loop and the output heads consume; built once per forward."""
 
     h: torch.Tensor  # [S, C] residual stream
-    t_emb: torch.Tensor  # [rows, t_dim] fp32
-    mod_segments: Segments
+    t_emb: torch.Tensor  # [M, t_dim]
+    mod_segments: list[tuple[int, int, Any]]
     rope_freqs: torch.Tensor  # [1, S, 1, rot/2, 2, 2]
-    video_seg: tuple[int, int, int]
-    audio_seg: tuple[int, int, int]
-    video_thw: tuple[int, int, int]
+    video_seg: tuple[int, int, Any]
+    audio_seg: tuple[int, int, Any]
+    video_thw: tuple[int, int, int]  # patch grid of the (padded) target video
+    layout: SequenceLayout
+    crop_thw: tuple[int, int, int]  # the caller's latent size
 
 
 class MiniMaxH3Twin(nn.Module):
-    def __init__(self, cfg: TwinConfig, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, cfg: TwinConfig, dtype: torch.dtype | None = None, device=None,
+                 operations=None):
         super().__init__()
+        ops = _layers(operations)
         self.cfg = cfg
         self.dtype = dtype if dtype is not None else torch.float32
         self.hidden_size = cfg.hidden
-        self.video_patch_proj = nn.Linear(cfg.latents_dim * 4, cfg.hidden, bias=True,
-                                          dtype=torch.float32, device=device)
-        self.audio_patch_proj = nn.Linear(cfg.audio_latents_dim, cfg.hidden, bias=True,
-                                          dtype=torch.float32, device=device)
-        self.condition_proj = nn.Linear(cfg.text_dim, cfg.hidden, bias=True, dtype=dtype,
-                                        device=device)
-        self.register_buffer("adaln_t_table",
-                             torch.empty(cfg.adaln_grid, cfg.t_dim, dtype=torch.float32,
-                                         device=device))
+        self.patch_size = (1, 2, 2)
+        self.latents_dim = cfg.latents_dim
+        self.sigma_shift_video = cfg.sigma_shift_video
+        self.sigma_shift_audio = cfg.sigma_shift_audio
+        self.use_adaln_curves = cfg.pruned_adaln
+        self.video_patch_proj = ops.Linear(cfg.latents_dim * 4, cfg.hidden, bias=True,
+                                           dtype=torch.float32, device=device)
+        self.audio_patch_proj = ops.Linear(cfg.audio_latents_dim, cfg.hidden, bias=True,
+                                           dtype=torch.float32, device=device)
+        self.condition_proj = ops.Linear(cfg.text_dim, cfg.hidden, bias=True, dtype=dtype,
+                                         device=device)
+        if cfg.pruned_adaln:
+            self.register_buffer("adaln_t_table", torch.empty(
+                cfg.adaln_grid, cfg.t_dim, dtype=torch.float32, device=device))
+        else:
+            self.time_embedder = TimeEmbedder(cfg, device=device, operations=operations)
         self.rope = nn.Module()
-        self.rope.register_buffer("inv_freq", torch.empty(cfg.rope_freqs_per_axis,
-                                                          dtype=torch.float32, device=device))
-        self.token_refiner = TokenRefiner(cfg, dtype=dtype, device=device)
-        self.blocks = nn.ModuleList([DiTBlock(cfg, dtype=dtype, device=device)
+        self.rope.register_buffer("inv_freq", torch.empty(
+            cfg.rope_freqs_per_axis, dtype=torch.float32, device=device))
+        self.token_refiner = TokenRefiner(cfg, dtype=dtype, device=device, operations=operations)
+        self.blocks = nn.ModuleList([DiTBlock(cfg, dtype=dtype, device=device,
+                                              operations=operations)
                                      for _ in range(cfg.blocks)])
-        self.final_layer = FinalLayer(cfg, dtype=dtype, device=device)
+        self.final_layer = FinalLayer(cfg, dtype=dtype, device=device, operations=operations)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def randomize_(self, seed: int = 0, on_device: bool = False) -> MiniMaxH3Twin:
-        """Fill every parameter with small random values (deterministic per seed).
+        """Fill every parameter and buffer with small random values (deterministic per seed).
 
         Scales keep the residual stream O(1) over 50 blocks so numerical comparisons stay
         meaningful: linears ~ N(0, 1/fan_in), norms 1, AdaLN gates small. By default values are
         drawn on the CPU so they do not depend on the device; `on_device=True` draws them on
         the parameters' device (seconds instead of minutes for the full-size twin on a GPU).
         """
-        if on_device:
-            return self._randomize_on_device_(seed)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        for name, p in self.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-                continue
-            fan_in = p.shape[-1] if p.ndim > 1 else 1
-            std = (1.0 / fan_in) ** 0.5 if p.ndim > 1 else 0.02
-            if "adaln_proj" in name:
-                std *= 0.1
-            # generate on CPU in chunks so the values do not depend on the device
-            flat = p.view(-1)
-            step = 1 << 24
-            for start in range(0, flat.numel(), step):
-                n = min(step, flat.numel() - start)
-                chunk = torch.randn(n, generator=gen, dtype=torch.float32) * std
-                flat[start:start + n].copy_(chunk.to(flat.device, flat.dtype))
-        table = torch.randn(self.adaln_t_table.shape, generator=gen)
-        self.adaln_t_table.copy_(table.to(self.adaln_t_table.device))
-        self.rope.inv_freq.copy_(axis_inverse_frequencies(self.cfg.rope_freqs_per_axis)
-                                 .to(self.rope.inv_freq.device))
-        return self
-
-    def _randomize_on_device_(self, seed: int) -> MiniMaxH3Twin:
+        cpu = torch.Generator(device="cpu").manual_seed(seed)
         for index, (name, p) in enumerate(self.named_parameters()):
             if "norm" in name:
                 p.fill_(1.0)
                 continue
-            gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + index)
             std = (1.0 / p.shape[-1]) ** 0.5 if p.ndim > 1 else 0.02
-            if "adaln_proj" in name:
-                std *= 0.1
-            p.normal_(0.0, std, generator=gen)
-        gen = torch.Generator(device=self.adaln_t_table.device).manual_seed(seed)
-        self.adaln_t_table.normal_(generator=gen)
+            std *= 0.1 if "adaln_proj" in name else 1.0
+            if on_device:
+                gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + index)
+                p.normal_(0.0, std, generator=gen)
+                continue
+            flat = p.view(-1)
+            step = 1 << 24  # CPU chunks: values independent of the device
+            for start in range(0, flat.numel(), step):
+                n = min(step, flat.numel() - start)
+                chunk = torch.randn(n, generator=cpu, dtype=torch.float32) * std
+                flat[start:start + n].copy_(chunk.to(flat.device, flat.dtype))
+        if self.use_adaln_curves:
+            table = torch.randn(self.adaln_t_table.shape, generator=cpu)
+            self.adaln_t_table.copy_(table.to(self.adaln_t_table.device))
         self.rope.inv_freq.copy_(axis_inverse_frequencies(self.cfg.rope_freqs_per_axis)
                                  .to(self.rope.inv_freq.device))
         return self
 
-    # ------------------------------------------------------------------ packing
-    def _t_emb(self, t_values: torch.Tensor) -> torch.Tensor:
-        table = self.adaln_t_table
-        pos = t_values.clamp(0.0, 1.0) * (table.shape[0] - 1)
-        i0 = pos.floor().long().clamp(max=table.shape[0] - 2)
-        return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))
+    # ------------------------------------------------------------------ conditioning
+    def preprocess_text_embeds(self, text_states: torch.Tensor) -> torch.Tensor:
+        """[1, L, text_dim] encoder states -> [1, L, C] refined (once per sampling run)."""
+        if text_states.shape[-1] == self.hidden_size:
+            return text_states
+        return self.token_refiner(self.condition_proj(text_states[0])).unsqueeze(0)
 
-    def _positions(self, text_len: int, audio_t: int, t: int, h: int, w: int,
-                   device) -> torch.Tensor:
-        """[S, 3] (t, h, w) coordinates: text on t, audio on t at the w extremes, video grid."""
-        text = torch.zeros(text_len, 3)
-        text[:, 0] = torch.arange(text_len)
-        audio = torch.zeros(audio_t * 2, 3)
-        audio[:, 0] = (text_len + torch.arange(audio_t)).repeat(2).float()
-        audio[:audio_t, 2] = 0.0
-        audio[audio_t:, 2] = float(w)
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
-                                    indexing="ij")
-        video = torch.stack([tt.reshape(-1) * (5.0 / 3.0) + text_len, hh.reshape(-1).float(),
-                             ww.reshape(-1).float()], dim=-1)
-        return torch.cat([text, audio, video]).to(device)
+    def time_embedding(self, timesteps: list[float], device, dtype) -> torch.Tensor:
+        t_M = torch.tensor(timesteps, dtype=torch.float32, device=device)
+        if not self.use_adaln_curves:
+            return self.time_embedder(t_M).to(dtype)
+        table = self.adaln_t_table.to(device)
+        # t in [0, 1] -> fractional row of the table; t = 1 interpolates on the last interval
+        where = t_M.clamp(0.0, 1.0) * (table.shape[0] - 1)
+        lower = where.floor().long().clamp(max=table.shape[0] - 2)
+        return torch.lerp(table[lower], table[lower + 1], (where - lower).unsqueeze(1))
 
-    def _rope_table(self, pos_S3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        inv = self.rope.inv_freq.to(pos_S3.device)
-        per_axis = pos_S3.float().unsqueeze(-1) * inv.view(1, 1, -1)
+    def rope_table(self, position_ids: torch.Tensor, device, dtype) -> torch.Tensor:
+        """[S, 3] float64 (t, h, w) -> [1, S, 1, 3n, 2, 2] rotations, n frequencies per axis."""
+        pos = position_ids.to(torch.float32).to(device)
+        per_axis = pos.unsqueeze(-1) * self.rope.inv_freq.to(device).view(1, 1, -1)
         half = torch.cat(per_axis.unbind(dim=1), dim=-1)
         return rope_rotation_table(torch.cat((half, half), dim=-1), dtype)
 
+    # ------------------------------------------------------------------ packing
     def pack(self, x: list[torch.Tensor], timestep: torch.Tensor, context: torch.Tensor,
-             transformer_options: dict) -> PackedInputs:
-        video, audio = x[0], x[1]
+             transformer_options: dict, minimax_payload: dict | None = None,
+             denoise_mask: torch.Tensor | None = None,
+             audio_denoise_mask: torch.Tensor | None = None) -> PackedInputs:
+        crop_thw = tuple(x[0].shape[2:5])
+        video, audio = pad_to_even(x[0]), x[1]
         if video.shape[0] != 1:
             raise ValueError("MiniMax H3 supports batch size 1")
-        device = video.device
-        dtype = context.dtype
-        _, _, t, lh, lw = video.shape
-        audio_t = audio.shape[-1]
-        sigma = float((timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6))
-        t_v = 1.0 - sigma
-        t_a = 1.0 - sigma / (3.0 + sigma * (1.0 - 3.0))  # audio on its own shifted schedule
-        unique_t = sorted({t_v, t_a})
-        t_row = {v: i for i, v in enumerate(unique_t)}
-        t_emb = self._t_emb(torch.tensor(unique_t, dtype=torch.float32, device=device))
+        payload = minimax_payload or {}
+        device, dtype = video.device, context.dtype
+        latent_t, lat_h, lat_w = video.shape[2:5]
+        signature = (context.shape[1], latent_t, lat_h, lat_w, audio.shape[-1])
+        layout = payload.get("layout")
+        if layout is None or layout.signature != signature:
+            layout = SequenceLayout(*signature, keyframes=payload.get("keyframes"),
+                                    refs=payload.get("refs"))
+        transformer_options["minimax_h3_layout"] = layout
 
-        text_states = context[0]
-        if text_states.shape[-1] != self.hidden_size:
-            text_states = self.token_refiner(self.condition_proj(text_states),
-                                             transformer_options=transformer_options)
-        text_len = text_states.shape[0]
-        video_rows = self.video_patch_proj(_patchify(video.float())).to(dtype)
-        audio_rows = self.audio_patch_proj(_pack_audio(audio.float())).to(dtype)
-        s = text_len + audio_rows.shape[0] + video_rows.shape[0]
-        h = torch.empty(s, self.hidden_size, dtype=dtype, device=device)
-        a0, v0 = text_len, text_len + audio_rows.shape[0]
-        h[:a0] = text_states
-        h[a0:v0] = audio_rows
-        h[v0:] = video_rows
-        # modulation rows: 3 per timestep (tags video 0, text 1, audio 2)
-        mod_segments = [(0, a0, t_row[t_v] * 3 + 1), (a0, v0, t_row[t_a] * 3 + 2),
-                        (v0, s, t_row[t_v] * 3 + 0)]
-        pos = self._positions(text_len, audio_t, t, lh // 2, lw // 2, device)
-        transformer_options["minimax_h3_layout"] = [(0, a0, "text"), (a0, v0, "audio"),
-                                                     (v0, s, "video")]
-        return PackedInputs(h=h, t_emb=t_emb, mod_segments=mod_segments,
-                            rope_freqs=self._rope_table(pos, dtype),
-                            video_seg=(v0, s, t_row[t_v]), audio_seg=(a0, v0, t_row[t_a]),
-                            video_thw=(t, lh // 2, lw // 2))
+        shifts = self._shifts(transformer_options)
+        sigma_v = float((timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6))
+        plan = plan_modulation(layout, sigma_v, shifts, payload, denoise_mask,
+                               audio_denoise_mask)
+
+        cond_video, cond_audio = condition_rows(payload, device)
+        video_rows = merge_rows(video_to_rows(video.to(torch.float32)), cond_video,
+                                layout.img_update.to(device))
+        audio_rows = merge_rows(audio_to_rows(audio.to(torch.float32)), cond_audio,
+                                layout.audio_update.to(device))
+        video_embed = self.video_patch_proj(video_rows).to(dtype)
+        audio_embed = self.audio_patch_proj(audio_rows).to(dtype)
+        text = context[0]
+        if text.shape[-1] != self.hidden_size:  # not refined in the conditioning: do it here
+            text = self.token_refiner(self.condition_proj(text),
+                                      transformer_options=transformer_options)
+
+        h = torch.empty(layout.seq_len, self.hidden_size, dtype=dtype, device=device)
+        taken = {"video": 0, "audio": 0}
+        for a, b, kind in layout.segments:
+            if kind == "text":
+                h[a:b] = text
+                continue
+            stream = "video" if kind in ("cond", "ref_img", "video") else "audio"
+            source = video_embed if stream == "video" else audio_embed
+            h[a:b] = source[taken[stream]:taken[stream] + b - a]
+            taken[stream] += b - a
+
+        return PackedInputs(
+            h=h, t_emb=self.time_embedding(plan.timesteps, device, dtype),
+            mod_segments=plan.mod_segments,
+            rope_freqs=self.rope_table(layout.position_ids, device, dtype),
+            video_seg=plan.video_seg, audio_seg=plan.audio_seg,
+            video_thw=(latent_t, lat_h // 2, lat_w // 2), layout=layout, crop_thw=crop_thw)
+
+    def _shifts(self, transformer_options: dict) -> tuple[float, float]:
+        return (float(transformer_options.get(SHIFT_KEYS[0], self.sigma_shift_video)),
+                float(transformer_options.get(SHIFT_KEYS[1], self.sigma_shift_audio)))
 
     # ------------------------------------------------------------------ blocks
     def run_blocks(self, packed: PackedInputs, transformer_options: dict) -> torch.Tensor:
         h = packed.h
-        blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
+        replaced = transformer_options.get("patches_replace", {}).get("dit", {})
         for i, block in enumerate(self.blocks):
             transformer_options["block_index"] = i
-            if ("double_block", i) in blocks_replace:
-                def block_wrap(args, block=block):
-                    return {"img": block(args["img"], args["t_emb"], args["mod_segments"],
-                                         args["rope_freqs"],
-                                         transformer_options=args["transformer_options"],
-                                         attention=args.get("attention"))}
-                h = blocks_replace[("double_block", i)](
-                    {"img": h, "t_emb": packed.t_emb, "mod_segments": packed.mod_segments,
-                     "rope_freqs": packed.rope_freqs, "transformer_options": transformer_options},
-                    {"original_block": block_wrap})["img"]
-            else:
+            patch = replaced.get(("double_block", i))
+            if patch is None:
                 h = block(h, packed.t_emb, packed.mod_segments, packed.rope_freqs,
                           transformer_options=transformer_options)
+                continue
+
+            def original_block(args, block=block):
+                return {"img": block(args["img"], args["t_emb"], args["mod_segments"],
+                                     args["rope_freqs"],
+                                     transformer_options=args["transformer_options"],
+                                     attention=args.get("attention"))}
+
+            args = {"img": h, "t_emb": packed.t_emb, "mod_segments": packed.mod_segments,
+                    "rope_freqs": packed.rope_freqs, "layout": packed.layout,
+                    "transformer_options": transformer_options}
+            h = patch(args, {"original_block": original_block})["img"]
         return h
 
-    def _forward(self, x, timestep, context, transformer_options, **kwargs):
-        packed = self.pack(x, timestep, context, transformer_options)
+    # ------------------------------------------------------------------ forward
+    def _forward(self, x, timestep, context, transformer_options, minimax_payload=None,
+                 denoise_mask=None, audio_denoise_mask=None, **kwargs):
+        packed = self.pack(x, timestep, context, transformer_options, minimax_payload,
+                           denoise_mask, audio_denoise_mask)
         h = self.run_blocks(packed, transformer_options)
         v, a = self.final_layer(h, packed.t_emb, packed.video_seg, packed.audio_seg)
         t, hh, ww = packed.video_thw
-        return [-_unpatchify(v, t, hh, ww, self.cfg.latents_dim).to(x[0].dtype),
-                -_unpack_audio(a).to(x[1].dtype)]
+        video = rows_to_video(v, t, hh, ww, self.latents_dim)
+        crop_t, crop_h, crop_w = packed.crop_thw
+        video = video[:, :, :crop_t, :crop_h, :crop_w]
+        return [-video.to(x[0].dtype), -rows_to_audio(a).to(x[1].dtype)]
 
-    def forward(self, x, timestep, context, transformer_options=None, **kwargs):
+    def forward(self, x, timestep, context, transformer_options=None, minimax_payload=None,
+                denoise_mask=None, audio_denoise_mask=None, **kwargs):
         transformer_options = {} if transformer_options is None else transformer_options
+        scale = float((minimax_payload or {}).get("audio_scale", 1.0))
+        carried = x[1]
+        if scale != 1.0:
+            # the sampler carries audio * sigma_v / sigma_a: hand the network the audio latent
+            sigma_v = (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
+            sigma_a = shift_sigma(sigma_v, *self._shifts(transformer_options))
+            factor = (sigma_a / sigma_v).to(carried.dtype)
+            x = [x[0], carried * factor]
         wrappers = _wrappers(transformer_options, DIFFUSION_MODEL_WRAPPER)
-        return _execute(wrappers, self._forward, x, timestep, context, transformer_options,
-                        **kwargs)
+        out = WrapperChain(self._forward, self, wrappers).execute(
+            x, timestep, context, transformer_options, minimax_payload=minimax_payload,
+            denoise_mask=denoise_mask, audio_denoise_mask=audio_denoise_mask, **kwargs)
+        # a masked row was predicted at mask * sigma: scale its velocity to the outer step
+        if denoise_mask is not None:
+            out[0] = out[0] * denoise_mask
+        if audio_denoise_mask is not None:
+            out[1] = out[1] * audio_denoise_mask
+        if scale != 1.0:
+            # velocity of the carried variable: d/d(sigma_v) of audio * sigma_a / (sigma_v s)
+            out[1] = ((1.0 - scale) * (carried * factor)
+                      + (1.0 + (scale - 1.0) * sigma_a).to(out[1].dtype) * out[1])
+        return out
 
 
 def _wrappers(transformer_options: dict, kind: str) -> list[Callable[..., Any]]:
@@ -239,38 +276,20 @@ def _wrappers(transformer_options: dict, kind: str) -> list[Callable[..., Any]]:
     return [fn for fns in by_key.values() for fn in fns]
 
 
-def _execute(wrappers: list[Callable[..., Any]], inner: Callable[..., Any], *args, **kwargs):
-    """ComfyUI's WrapperExecutor contract: wrapper(executor, *args, **kwargs)."""
-    if not wrappers:
-        return inner(*args, **kwargs)
+class WrapperChain:
+    """ComfyUI's WrapperExecutor contract: wrapper(executor, *args, **kwargs), where
+    `executor(*args, **kwargs)` runs the next wrapper (or the wrapped function) and
+    `executor.class_obj` is the model."""
 
-    def executor(*a, **kw):
-        return _execute(wrappers[1:], inner, *a, **kw)
+    def __init__(self, inner: Callable[..., Any], class_obj: Any,
+                 wrappers: list[Callable[..., Any]], index: int = 0):
+        self.inner, self.class_obj, self.wrappers, self.index = inner, class_obj, wrappers, index
 
-    return wrappers[0](executor, *args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        return WrapperChain(self.inner, self.class_obj, self.wrappers, self.index + 1).execute(
+            *args, **kwargs)
 
-
-def make_twin(cfg: TwinConfig, *, dtype: torch.dtype = torch.float32, device="cpu",
-              seed: int = 0, init_on_device: bool = False) -> MiniMaxH3Twin:
-    """Build and randomize a twin; `device="meta"` builds shapes only.
-
-    `init_on_device=True` draws the random weights on `device` (fast for the full-size twin on
-    a GPU; the values then depend on the device type, which timing does not care about).
-    """
-    model = MiniMaxH3Twin(cfg, dtype=dtype, device=device)
-    if str(device) != "meta":
-        model.randomize_(seed, on_device=init_on_device)
-    return model.eval().requires_grad_(False)
-
-
-def make_inputs(cfg: TwinConfig, *, latent_t: int, latent_h: int, latent_w: int,
-                audio_t: int, text_len: int = 16, dtype: torch.dtype = torch.float32,
-                device="cpu", seed: int = 0, sigma: float = 0.7):
-    """Random (x, timestep, context) for one forward of the twin."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    video = torch.randn(1, cfg.latents_dim, latent_t, latent_h, latent_w, generator=gen)
-    audio = torch.randn(1, cfg.audio_latents_dim, 2, audio_t, generator=gen)
-    context = torch.randn(1, text_len, cfg.text_dim, generator=gen)
-    return ([video.to(device), audio.to(device)],
-            torch.tensor([sigma * 1000.0], device=device),
-            context.to(device, dtype))
+    def execute(self, *args, **kwargs):
+        if self.index == len(self.wrappers):
+            return self.inner(*args, **kwargs)
+        return self.wrappers[self.index](self, *args, **kwargs)

@@ -72,6 +72,13 @@ class TwinPatcher:
         self.model_options["transformer_options"]["optimized_attention_override"] = fn
 
     # ---------------------------------------------------------------- running
+    def conditioning(self, x, context, **kwargs) -> dict:
+        """The per-sampling-run keyword arguments ComfyUI's `extra_conds` would give the forward
+        (refined text, payload with layout and audio carry): see `make_conditioning`."""
+        from .factory import make_conditioning
+
+        return make_conditioning(self.model.diffusion_model, context, x, **kwargs)
+
     def apply_model(self, x, timestep, context, **kwargs):
         """One DiT forward with this clone's options and object patches in force."""
         transformer_options = _copy_options(self.model_options)["transformer_options"]

@@ -2,8 +2,9 @@
 
 Upstream H3 calls comfy-kitchen's `rms_rope_split_half_(q, k, table, qw, kw, epsilon, rot_dim)`
 on `[1, S, H, D]` views of the qkv projection output. The twin does the same when comfy-kitchen
-is importable and otherwise uses the PyTorch reference below (same maths: RMSNorm over the whole
-head dim, then pair i rotates elements [i] and [i + rot_dim/2] of the first rot_dim elements).
+is importable and takes the dtype (fp16/bf16/fp32), and otherwise uses the PyTorch reference below
+(same maths: RMSNorm over the whole head dim, then pair i rotates elements [i] and
+[i + rot_dim/2] of the first rot_dim elements; fp64 twins, used as error references, stay fp64).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ except ImportError:  # pragma: no cover - exercised only where comfy-kitchen is 
     _ck = None
 
 
+KITCHEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # others: the reference
+
+
 def rope_rotation_table(angles_SR: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[S, rot_dim] pair angles (duplicated halves) -> [1, S, 1, rot_dim/2, 2, 2] rotations."""
     half = angles_SR.shape[-1] // 2
@@ -30,11 +34,12 @@ def rope_rotation_table(angles_SR: torch.Tensor, dtype: torch.dtype) -> torch.Te
 def _rms_rope_reference_(
     x_BSHD: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float, rot_dim: int
 ) -> None:
-    xf = x_BSHD.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    work = torch.promote_types(x_BSHD.dtype, torch.float32)  # fp64 stays fp64
+    xf = x_BSHD.to(work)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(work)
     half = rot_dim // 2
     a, b = xf[..., :half], xf[..., half:rot_dim]
-    t = table.float()  # [1, S, 1, half, 2, 2]
+    t = table.to(work)  # [1, S, 1, half, 2, 2]
     ra = t[..., 0, 0] * a + t[..., 0, 1] * b
     rb = t[..., 1, 0] * a + t[..., 1, 1] * b
     xf = torch.cat([ra, rb, xf[..., rot_dim:]], dim=-1)
@@ -51,7 +56,7 @@ def rms_rope_split_half_(
     rot_dim: int,
 ) -> None:
     """In place on q and k (views into the qkv buffer)."""
-    if _ck is not None:
+    if _ck is not None and q_BSHD.dtype in KITCHEN_DTYPES:
         _ck.rms_rope_split_half_(q_BSHD, k_BSHD, table, q_weight, k_weight, epsilon=eps,
                                  rot_dim=rot_dim)
         return

@@ -1,0 +1,154 @@
+"""Chunking on two GPUs inside the real ComfyUI: the real MiniMaxH3 class with H3's widths
+(hidden 5376, 56 x 128-dim heads, FFN 14336; 2 DiT blocks + 1 refiner block), bf16, loaded on
+cuda:1 while cuda:0 is current, sequences of ~3.4k and ~16.4k tokens, through the real
+ModelPatcher and sampler path.
+
+The reference is ComfyUI's own unpatched output, computed with cuda:1 current (the unpatched
+model cannot run with cuda:0 current: comfy-kitchen's DLPack export needs its device). Chunked
+runs go through `apply_activation_chunking`, whose device guard makes cuda:1 current.
+Exact settings (the planner's 4096-row / 14-head choice, "auto") must be bit-identical; explicit
+small chunks must say "may differ" and stay within bf16 rounding.
+
+    COMFYUI_PATH=/path/to/ComfyUI python -m pytest -m "comfyui and multi_gpu" \
+        tests/test_chunking_comfyui_gpu.py          # ~2 min on 2x H200, most of it building
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_h3 import (
+    AttentionCounter,
+    CallCounter,
+    TinyH3Config,
+    bypass_adapted_modules,
+    import_comfyui_or_skip,
+    lowvram_patched_modules,
+    make_inputs,
+    make_lora_state_dict,
+    make_tiny_h3,
+    run_like_sampler,
+    unload_all,
+    with_bypass_lora,
+    with_lora,
+)
+
+from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.multi_gpu]
+
+WIDE = TinyH3Config(hidden=5376, heads=56, head_dim=128, ffn=14336, blocks=2, refiner_blocks=1,
+                    dtype=torch.bfloat16)
+LONG = (16, 64, 64)    # 16 x 32 x 32 video tokens + audio + text: ~16.4k rows
+SHORT = (13, 32, 32)   # ~3.4k rows, the length where small chunks differed by 0.016-0.031
+PLANNER = ChunkingConfig(ffn_chunk=4096, qkv_chunk=4096, head_group=14)  # 2x5060Ti's plan
+BF16_REL_L2 = 4 * 2.0 ** -8  # k = 4 units of bf16's relative rounding, relative L2 per output
+GPU1 = torch.device("cuda", 1)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    import_comfyui_or_skip()
+    patcher = make_tiny_h3(WIDE, seed=0, load_device=GPU1)
+    lora_sd = make_lora_state_dict(patcher, rank=128, seed=3)
+    return patcher, lora_sd
+
+
+@pytest.fixture(autouse=True)
+def _cuda0_current():
+    torch.cuda.set_device(0)
+    unload_all()
+    yield
+    unload_all()
+    assert torch.cuda.current_device() == 0  # every guard restored it
+
+
+def _reference(patcher, inputs, **kwargs):
+    with torch.cuda.device(1):  # ComfyUI unpatched, its model's GPU current
+        return run_like_sampler(patcher, inputs, **kwargs)
+
+
+def _chunked(patcher, config, inputs, **kwargs):
+    chunked = apply_activation_chunking(patcher, config)
+    with CallCounter(chunked) as counts, AttentionCounter() as attention:
+        out = run_like_sampler(chunked, inputs, **kwargs)
+    chunks = chunked.object_patches["diffusion_model.blocks.0.forward"].last_chunks
+    tokens = counts.rows[0]
+    fc1 = len(sizing.row_chunks(tokens, chunks[0]))
+    qkv = len(sizing.row_chunks(tokens, chunks[1]))
+    groups = len(sizing.head_groups(WIDE.heads, chunks[2], tokens))
+    assert fc1 * qkv * groups > 1, (chunks, tokens)  # chunking engaged
+    assert counts.per_block("mlp.fc1") == fc1 and counts.per_block("attn.qkv_proj") == qkv
+    assert attention.entered - WIDE.refiner_blocks == WIDE.blocks * groups
+    line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    return out, chunked, chunks, tokens, line
+
+
+def _equal(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), f"max |diff| {(x.float() - y.float()).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("case", ["plain", "keyframe+audio_mask", "lora", "lora_lowvram",
+                                  "bypass_lora"])
+def test_planner_chunks_are_bit_identical_on_cuda1(wide, case):
+    base, lora_sd = wide
+    conditioned = case != "plain"
+    inputs = make_inputs(WIDE, latent_thw=LONG, keyframe=conditioned, audio_mask=conditioned)
+    patcher, kwargs = base, {}
+    if case in ("lora", "lora_lowvram"):
+        patcher = with_lora(base, lora_sd)
+        kwargs = {"lowvram_bytes": 1} if case == "lora_lowvram" else {}
+    elif case == "bypass_lora":
+        patcher = with_bypass_lora(base, lora_sd)
+    reference = _reference(patcher, inputs, **kwargs)
+    unload_all()
+    out, chunked, chunks, tokens, line = _chunked(patcher, PLANNER, inputs, **kwargs)
+    assert tokens > 16_000 and line.endswith("; exact"), line
+    assert min(b - a for a, b in sizing.row_chunks(tokens, chunks[0])) >= sizing.EXACT_MIN_ROWS
+    if case == "lora_lowvram":
+        assert lowvram_patched_modules(chunked) > 0
+    if case == "bypass_lora":
+        assert bypass_adapted_modules(chunked) == 4 * (WIDE.blocks + WIDE.refiner_blocks)
+    _equal(out, reference)
+
+
+def test_auto_under_memory_pressure_is_bit_identical(wide, monkeypatch):
+    base, lora_sd = wide
+    patcher = with_bypass_lora(base, lora_sd)
+    inputs = make_inputs(WIDE, latent_thw=LONG, keyframe=True, audio_mask=True)
+    reference = _reference(patcher, inputs)
+    unload_all()
+    # 1 GiB free at every block: "auto" must chunk rows and heads, inside the exactness floors
+    monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 1 << 30)
+    out, _, chunks, tokens, line = _chunked(patcher, ChunkingConfig.from_strings(), inputs)
+    assert chunks[0] >= sizing.EXACT_MIN_ROWS and line.endswith("; exact"), (chunks, line)
+    _equal(out, reference)
+
+
+@pytest.mark.parametrize("config", [ChunkingConfig(ffn_chunk=333, qkv_chunk=777, head_group=5),
+                                    ChunkingConfig(ffn_chunk=64, qkv_chunk=64, head_group=1)],
+                         ids=lambda c: f"{c.ffn_chunk}-{c.qkv_chunk}-{c.head_group}")
+def test_small_explicit_chunks_say_so_and_stay_within_bf16_rounding(wide, config):
+    base, _ = wide
+    inputs = make_inputs(WIDE, latent_thw=SHORT, keyframe=True, audio_mask=True)
+    reference = _reference(base, inputs)
+    unload_all()
+    out, _, _, tokens, line = _chunked(base, config, inputs)
+    assert 3_300 < tokens < 3_700
+    assert "may differ from unchunked at bf16 rounding" in line, line
+    for x, y in zip(out, reference, strict=True):
+        rel = ((x.float() - y.float()).norm() / y.float().norm()).item()
+        assert rel <= BF16_REL_L2, f"relative L2 {rel:.2e}"
+
+
+def test_lora_cycles_with_chunking_on_cuda1(wide):
+    base, lora_sd = wide
+    inputs = make_inputs(WIDE, latent_thw=LONG, keyframe=True, audio_mask=True)
+    patchers = {"base": base, "lora": with_lora(base, lora_sd),
+                "bypass": with_bypass_lora(base, lora_sd)}
+    refs = {name: _reference(p, inputs) for name, p in patchers.items()}
+    unload_all()
+    for name in ("base", "lora", "base", "bypass", "lora", "base"):
+        out, *_ = _chunked(patchers[name], PLANNER, inputs)
+        _equal(out, refs[name])

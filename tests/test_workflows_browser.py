@@ -1,0 +1,198 @@
+"""The bundled workflows in the real ComfyUI frontend (1.58.1) in headless Chromium.
+
+A real ComfyUI (COMFYUI_PATH) runs with this pack, placeholder model files and the frontend
+package's static files (`--front-end-root`); `tests/browser/load_workflows.mjs` loads each UI
+workflow with `app.loadGraphData` (what a drag-drop does) and the editor's workflow validator
+(`Comfy.Validation.Workflows`) on, and reports what the editor built.
+
+    COMFYUI_PATH=/path/to/ComfyUI H3_BROWSER_MODULES=/path/to/node_modules \\
+        python -m pytest -q -m browser -o addopts="--strict-markers" tests/test_workflows_browser.py
+
+Needs node (18+) and the npm packages @sparticuz/chromium and puppeteer-core in
+$H3_BROWSER_MODULES (default ~/.cache/h3-multigpu/browser/node_modules; installed there with npm
+when missing), and `pip install comfyui-frontend-package==1.58.1`. H3_SCREENSHOTS=docs/images
+writes the pictures the README shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from comfyui_harness import start_comfyui
+from workflow_bed import make_bed
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / "workflows"
+SCRIPT = Path(__file__).resolve().parent / "browser" / "load_workflows.mjs"
+NAMES = ("h3_multigpu_two_pass_t2v", "h3_multigpu_two_pass_i2v", "h3_multigpu_two_pass_r2v")
+FRONTEND_VERSION = "1.58.1"
+NPM_PACKAGES = ("@sparticuz/chromium@147", "puppeteer-core@24")
+DEFAULT_MODULES = Path.home() / ".cache" / "h3-multigpu" / "browser" / "node_modules"
+
+
+def browser_modules() -> Path:
+    """The node_modules holding Chromium and puppeteer-core; npm installs them when missing."""
+    modules = Path(os.environ.get("H3_BROWSER_MODULES") or DEFAULT_MODULES)
+    if not shutil.which("node"):
+        pytest.skip("node is not installed")
+    wanted = (modules / "@sparticuz" / "chromium", modules / "puppeteer-core")
+    if not all(p.is_dir() for p in wanted):
+        if not shutil.which("npm"):
+            pytest.skip(f"npm is missing and {modules} lacks {', '.join(NPM_PACKAGES)}")
+        modules.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["npm", "install", "--prefix", str(modules.parent), *NPM_PACKAGES],
+                       check=True, timeout=600, capture_output=True)
+    return modules
+
+
+def frontend_static() -> Path:
+    try:
+        import importlib.metadata
+
+        import comfyui_frontend_package
+    except ImportError:
+        pytest.skip(f"pip install comfyui-frontend-package=={FRONTEND_VERSION}")
+    version = importlib.metadata.version("comfyui-frontend-package")
+    if version != FRONTEND_VERSION:
+        pytest.skip(f"comfyui-frontend-package {version} installed; the checks are written "
+                    f"for {FRONTEND_VERSION}")
+    return Path(comfyui_frontend_package.__file__).resolve().parent / "static"
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """{name: what the frontend made of the workflow}, plus the screenshots' folder."""
+    modules = browser_modules()
+    static = frontend_static()
+    work = tmp_path_factory.mktemp("browser")
+    shots = Path(os.environ.get("H3_SCREENSHOTS") or work / "shots").resolve()
+    shots.mkdir(parents=True, exist_ok=True)
+    job = work / "job.json"
+    job.write_text(json.dumps({
+        "workflows": {name: str(WORKFLOWS / f"{name}.json") for name in NAMES},
+        "screenshots": str(shots)}))
+    extra = ("--front-end-root", str(static), *make_bed(work / "bed"))
+    with start_comfyui(os.environ["COMFYUI_PATH"], extra_args=extra) as url:
+        run = subprocess.run(["node", str(SCRIPT), url, str(job)], capture_output=True,
+                             text=True, timeout=900, env={**os.environ, "NODE_PATH": str(modules)})
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout), shots
+
+
+def _ui(name: str) -> dict:
+    return json.loads((WORKFLOWS / f"{name}.json").read_text())
+
+
+def _graph_by_label(ui: dict) -> dict[str, dict]:
+    return {"root": ui, **{sub["id"]: sub for sub in ui["definitions"]["subgraphs"]}}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_validator_is_on_and_silent(loaded, name):
+    result = loaded[0][name]
+    assert result["validation_setting"] is True
+    assert result["toasts"] == [], result["toasts"]
+    assert result["errors"] == [], result["errors"]
+    assert result["missing"] == [], f"node types the frontend does not know: {result['missing']}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_link_is_attached_to_the_intended_input_by_name(loaded, name):
+    result, ui = loaded[0][name], _ui(name)
+    graphs = _graph_by_label(ui)
+    expected = {}
+    for label, graph in graphs.items():
+        nodes = {n["id"]: n for n in graph["nodes"]}
+        for link in graph["links"]:
+            if isinstance(link, list):
+                link_id, origin, origin_slot, target, target_slot = link[:5]
+            else:
+                link_id, origin, origin_slot, target, target_slot = (
+                    link["id"], link["origin_id"], link["origin_slot"], link["target_id"],
+                    link["target_slot"])
+            name_in = (nodes[target]["inputs"][target_slot]["name"] if target != -20
+                       else f"output:{target_slot}")
+            expected[(label, link_id)] = (origin, origin_slot, target, name_in)
+    seen = {}
+    for link in result["links"]:
+        key = (link["graph"], link["id"])
+        origin, target = int(link["origin_id"]), int(link["target_id"])  # -10/-20 come as text
+        seen[key] = (origin, link["origin_slot"], target, link["input"])
+        if target != -20:
+            assert link["input_link"] == link["id"], link
+    assert seen == expected
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_widget_value_is_on_its_widget(loaded, name):
+    result, ui = loaded[0][name], _ui(name)
+    for label, graph in _graph_by_label(ui).items():
+        for node in graph["nodes"]:
+            shown = result["widgets"][f"{label}/{node['id']}"]
+            if node["type"] == "MarkdownNote":
+                assert [value for _, value in shown] == node["widgets_values"]
+                continue
+            want = [list(item) for item in (node.get("widgets_values_named") or {}).items()]
+            assert shown == want, (label, node["title"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_graph_to_prompt_is_the_bundled_api_graph(loaded, name):
+    api = json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
+    assert loaded[0][name]["prompt"] == api
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saving_again_keeps_every_input_link_and_value(loaded, name):
+    """The editor's own save of the loaded graph has the same inputs, links (by input name)
+    and widget values as the file. Free Autogrow slots may differ: 1.58.1 grows an Autogrow
+    group while it restores links (it does the same to the official r2v template)."""
+    saved, ui = loaded[0][name]["serialized"], _ui(name)
+
+    def essence(graph: dict) -> dict:
+        nodes, slot_names = {}, {}
+        for node in graph["nodes"]:
+            inputs = node.get("inputs") or []
+            slot_names[node["id"]] = [s["name"] for s in inputs]
+            nodes[node["id"]] = ([(s["name"], s.get("link")) for s in inputs
+                                  if s.get("link") is not None or "." not in s["name"]
+                                  or "." in s["name"] and s.get("widget")],
+                                 [s.get("links") or [] for s in node.get("outputs") or []],
+                                 node.get("widgets_values"))
+        links = set()
+        for x in graph["links"]:
+            link_id, origin, origin_slot, target, target_slot, kind = (
+                x[:6] if isinstance(x, list) else (x["id"], x["origin_id"], x["origin_slot"],
+                                                   x["target_id"], x["target_slot"], x["type"]))
+            into = slot_names[target][target_slot] if target in slot_names else target_slot
+            links.add((link_id, origin, origin_slot, target, into, kind))
+        return {"nodes": nodes, "links": links}
+
+    assert essence(saved) == essence(ui)
+    for mine, theirs in zip(ui["definitions"]["subgraphs"],
+                            saved["definitions"]["subgraphs"], strict=True):
+        assert essence(theirs) == essence(mine)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_wires_cross_at_the_top_and_no_nodes_overlap(loaded, name):
+    layout = loaded[0][name]["layout"]
+    assert layout["root"]["crossings"] == []
+    for label, graph in layout.items():
+        assert graph["overlaps"] == [], (label, graph["overlaps"])
+
+
+def test_screenshots_of_every_graph_are_written(loaded):
+    _, shots = loaded
+    for name in NAMES:
+        for suffix in ("", "_inside"):
+            picture = shots / f"{name}{suffix}.png"
+            data = picture.read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, picture
