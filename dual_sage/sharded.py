@@ -164,7 +164,10 @@ class ShardedAttention:
         chunks = []
         for device, (start, stop) in zip(self.plan.devices, ranges, strict=True):
             heads = stop - start
-            need = 1 if self.exact_range is None or heads == 0 else \
+            if heads == 0:  # a device without heads in this call (a small head group)
+                chunks.append(0)
+                continue
+            need = 1 if self.exact_range is None else \
                 self.exact_range.min_heads(device, seq_len, dtype, head_dim)
             if need is None or heads < need:
                 return None

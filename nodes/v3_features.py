@@ -167,7 +167,7 @@ class H3MultiGPUPrefetch(io.ComfyNode):
                 io.Model.Input("model"),
                 io.String.Input("resident_blocks", default="auto",
                                 tooltip="DiT blocks (of 50) that stay on the GPU; auto = as many "
-                                        "as fit."),
+                                        "as fit, decided before the model loads."),
             ],
             outputs=_outputs(),
         )
@@ -195,7 +195,7 @@ class H3MultiGPUPrefetchAdvanced(H3MultiGPUPrefetch):
                          tooltip="Blocks copied ahead of the one running."),
             io.String.Input("pinned_budget", default="auto",
                             tooltip="Pinned host memory the streamer may take, e.g. '24GiB'; "
-                                    "auto = half the free RAM."),
+                                    "auto = half the host RAM."),
         ]
         return schema
 

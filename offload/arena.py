@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,24 +58,54 @@ def page_unlock(region_u8: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(region_u8.data_ptr())
 
 
-@dataclass
+LIVE_BUFFERS: weakref.WeakSet[HostBuffer] = weakref.WeakSet()  # every host buffer not yet freed
+
+
+def live_host_bytes() -> tuple[int, int]:
+    """(bytes, pinned bytes) of the host buffers alive in this process (for memory checks)."""
+    buffers = list(LIVE_BUFFERS)
+    return (sum(b.flat.numel() for b in buffers),
+            sum(b.flat.numel() for b in buffers if b.pinned))
+
+
+@dataclass(eq=False)
 class HostBuffer:
-    """One block's host copy. `pinned`: page-locked; `staged`: goes through the staging ring."""
+    """One block's host copy. `pinned`: page-locked now; `staged`: goes through the staging
+    ring; `unpinned`: was page-locked, unlocked while its model is off the device."""
 
     region: torch.Tensor
     flat: torch.Tensor
     pinned: bool
     staged: bool
+    unpinned: bool = False
+
+    def __post_init__(self) -> None:
+        LIVE_BUFFERS.add(self)
 
     @classmethod
     def allocate(cls, nbytes: int, pin: bool, staged: bool) -> HostBuffer:
         region, flat = host_bytes(nbytes)
         return cls(region, flat, pinned=pin and page_lock(region), staged=staged)
 
+    def unpin(self) -> None:
+        """Unlock the pages in place: bytes and views stay valid, only pageable now."""
+        if self.pinned:
+            page_unlock(self.region)
+            self.pinned, self.unpinned = False, True
+
+    def repin(self) -> bool:
+        """Lock again what `unpin` unlocked; False when the OS refused."""
+        if self.unpinned:
+            self.pinned, self.unpinned = page_lock(self.region), False
+            return self.pinned
+        return True
+
     def free(self) -> None:
         if self.pinned:
             page_unlock(self.region)
             self.pinned = False
+        self.unpinned = False
+        LIVE_BUFFERS.discard(self)
 
     def __del__(self) -> None:
         # page-locked memory must be unregistered before its allocation is returned; this runs
@@ -131,6 +162,30 @@ class HostArena:
             self.direct_bytes -= nbytes
             self.pinned_bytes -= nbytes if buffer.pinned else 0
         buffer.free()
+
+    def unpin(self, buffers: list[HostBuffer]) -> None:
+        """Unlock `buffers` in place (their model left the device)."""
+        for buffer in buffers:
+            if buffer.pinned:
+                buffer.unpin()
+                self.pinned_bytes -= buffer.flat.numel()
+
+    def repin(self, buffers: list[HostBuffer]) -> list[HostBuffer]:
+        """Lock `buffers` again; returns those the OS refused (they must be staged now)."""
+        refused = []
+        for buffer in buffers:
+            if not buffer.unpinned:
+                continue
+            if buffer.repin():
+                self.pinned_bytes += buffer.flat.numel()
+            else:
+                # the copy engine cannot read pageable memory asynchronously: stage it
+                buffer.staged = True
+                self.direct_bytes -= buffer.flat.numel()
+                self.pageable_bytes += buffer.flat.numel()
+                self.refused_pins += 1
+                refused.append(buffer)
+        return refused
 
 
 class StagingRing:

@@ -12,9 +12,13 @@ the ring holds K + 1 slots (the running block plus K arriving ones).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 ALIGNMENT = 256  # bytes; every tensor of a block starts on this boundary in its flat buffer
+# a block's flat buffer exceeds its tensors' bytes by < ALIGNMENT per tensor (leaf); this covers
+# 256 leaves, several times what an H3 block has (quantized scales included)
+ARENA_SLACK_PER_BLOCK = 64 * 1024
 STAGING_BUFFERS = 2  # double-buffered: one is filled on the worker while the other is copied
 
 
@@ -53,6 +57,52 @@ def pinned_arena_bytes(streamed_block_bytes: Iterable[int], budget_bytes: int | 
     return total
 
 
+@dataclass(frozen=True)
+class ArenaSplit:
+    """Which streamed blocks' host copies are direct (pinned on a GPU root) and which stream
+    through the staging ring, for blocks in host-copy order."""
+
+    direct: tuple[bool, ...]
+    direct_bytes: int
+    staging_bytes: int  # pinned staging ring (0 when no block is staged)
+
+    @property
+    def staged_blocks(self) -> int:
+        return sum(1 for d in self.direct if not d)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes on a GPU root: direct copies plus the staging ring."""
+        return self.direct_bytes + self.staging_bytes
+
+
+def arena_split(block_bytes: Sequence[int], budget_bytes: int | None, *, source: str = "auto",
+                staging_buffers: int = STAGING_BUFFERS) -> ArenaSplit:
+    """The runtime's rule (the streamer calls this; the planner too, so both agree).
+
+    "pinned": every block direct, whatever the budget. "pageable": every block staged.
+    "auto": when all blocks fit the budget, all are direct; otherwise the staging ring's
+    buffers are paid from the budget first and blocks are direct while the rest lasts.
+    """
+    sizes = list(block_bytes)
+    if source not in ("auto", "pinned", "pageable"):
+        raise ValueError(f"source={source!r}: use 'auto', 'pinned' or 'pageable'")
+    if source == "pageable":
+        direct = [False] * len(sizes)
+    elif source == "pinned" or budget_bytes is None or sum(sizes) <= budget_bytes:
+        direct = [True] * len(sizes)
+    else:
+        left = max(0, budget_bytes - staging_ring_bytes(max(sizes), staging_buffers))
+        direct = []
+        for nbytes in sizes:
+            fits = nbytes <= left
+            left -= nbytes if fits else 0
+            direct.append(fits)
+    staged = [n for n, d in zip(sizes, direct, strict=True) if not d]
+    return ArenaSplit(tuple(direct), sum(n for n, d in zip(sizes, direct, strict=True) if d),
+                      staging_ring_bytes(max(staged), staging_buffers) if staged else 0)
+
+
 def staging_ring_bytes(largest_pageable_block_bytes: int,
                        buffers: int = STAGING_BUFFERS) -> int:
     """Pinned bytes of the staging ring (zero when no block is pageable)."""
@@ -83,25 +133,34 @@ def step_overhead_seconds(*, blocks: int, streamed: int, block_compute_s: float,
 
 
 def streamed_weight_vram_bytes(*, blocks: int, resident: int, block_bytes: int,
-                               lookahead: int) -> int:
-    """DiT block weights on the device: resident blocks plus the slot ring."""
+                               lookahead: int, extra_streamed: int = 0) -> int:
+    """DiT block weights on the device: resident blocks plus the slot ring.
+
+    `extra_streamed`: blocks outside the `blocks` (the token refiner's) that stream with them
+    when any of them streams, and stay resident when none does.
+    """
     streamed = blocks - resident
-    return resident * block_bytes + slot_ring_bytes(block_bytes, lookahead, streamed)
+    if streamed == 0:
+        return (blocks + extra_streamed) * block_bytes
+    return resident * block_bytes + slot_ring_bytes(block_bytes, lookahead,
+                                                    streamed + extra_streamed)
 
 
 def resident_blocks_for_budget(vram_budget_bytes: int, *, blocks: int, block_bytes: int,
-                               lookahead: int) -> int:
+                               lookahead: int, extra_streamed: int = 0) -> int:
     """Most blocks that can stay resident when block weights may use `vram_budget_bytes`.
 
     All blocks when they fit outright (no slots needed); otherwise the count that leaves room
     for the K + 1 slots; 0 when even the slots alone do not fit (the caller reports that).
+    `extra_streamed` as in `streamed_weight_vram_bytes`.
     """
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     best = 0
     for resident in range(blocks + 1):
         need = streamed_weight_vram_bytes(blocks=blocks, resident=resident,
-                                          block_bytes=block_bytes, lookahead=lookahead)
+                                          block_bytes=block_bytes, lookahead=lookahead,
+                                          extra_streamed=extra_streamed)
         if need <= vram_budget_bytes:
             best = resident
     return best

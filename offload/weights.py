@@ -14,11 +14,18 @@ Binding keeps module objects and state-dict keys: a plain tensor gets `.data` sw
 quantized tensor gets its `_qdata` / `_params` swapped in place. `TensorRef` resolves the tensor
 by (owner module, attribute name) every time, so a loader that replaced a parameter object
 (ComfyUI re-patching a LoRA with `set_attr_param`) is noticed by `BlockWeights.is_bound_to`.
+
+Aliases: ComfyUI backs a weight up with `weight.to(offload_device, copy=False)`, which for a
+weight bound to the host copy is the bound object itself. Before the host copy is overwritten
+with other bytes, every object that was bound to it and is no longer the module's tensor (a
+backup ComfyUI still holds) gets private storage (`detach_replaced`), so the backup keeps the
+bytes it was taken with. Objects nobody holds any more are skipped (weak references).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +114,8 @@ class BlockWeights:
         self.layout = BlockLayout.of(self.tensors())
         # views per flat buffer (host copy, each slot): built once, bound every time the block runs
         self._views: dict[int, list[dict[str, torch.Tensor]]] = {}
+        # per tensor, the object last bound to a buffer of ours (weakly: a dropped one is gone)
+        self._bound: list[weakref.ref | None] = [None] * len(self.refs)
 
     @property
     def nbytes(self) -> int:
@@ -122,6 +131,8 @@ class BlockWeights:
 
     def relayout(self) -> bool:
         """Recompute the layout from the current tensors; True when it changed."""
+        self.refs = _tensor_refs(self.module)  # a loader may have added or dropped a tensor
+        self._bound = (self._bound + [None] * len(self.refs))[:len(self.refs)]
         layout = BlockLayout.of(self.tensors())
         changed = layout.signature() != self.layout.signature()
         self.layout = layout
@@ -147,13 +158,59 @@ class BlockWeights:
 
     def bind(self, flat_u8: torch.Tensor) -> None:
         """Point every tensor of the block at its view in `flat_u8`."""
-        for tensor, views in zip(self.tensors(), self.views(flat_u8), strict=True):
+        for index, (tensor, views) in enumerate(zip(self.tensors(), self.views(flat_u8),
+                                                    strict=True)):
             _bind_leaves(tensor, views)
+            self._bound[index] = weakref.ref(tensor)
+
+    def ref_index(self, owner: torch.nn.Module, name: str) -> int | None:
+        """Which of the block's tensors `owner.<name>` is (None: not one of them)."""
+        for index, ref in enumerate(self.refs):
+            if ref.owner is owner and ref.name == name:
+                return index
+        return None
+
+    def adopt(self, index: int, flat_u8: torch.Tensor) -> bool:
+        """Copy tensor `index` (just replaced by the loader) into its view in `flat_u8` and bind
+        it there; False when its shape or dtype no longer match the layout (re-register)."""
+        tensor = self.refs[index].current()
+        views = self.layout.views(flat_u8)[index]
+        leaves = dict(leaves_of(tensor))
+        if leaves.keys() != views.keys() or any(
+                leaves[f].dtype != v.dtype or leaves[f].shape != v.shape
+                for f, v in views.items()):
+            return False
+        for field, view in views.items():
+            view.copy_(leaves[field])
+        _bind_leaves(tensor, self.views(flat_u8)[index])
+        self._bound[index] = weakref.ref(tensor)
+        return True
+
+    def detach_replaced(self, flat_u8: torch.Tensor) -> int:
+        """Give private storage to every object once bound into `flat_u8` that the block no
+        longer holds (ComfyUI's backup of a patched weight). Returns how many were detached."""
+        detached = 0
+        tensors = self.tensors()
+        for index, weak in enumerate(self._bound):
+            old = None if weak is None else weak()
+            if old is None or (index < len(tensors) and old is tensors[index]):
+                continue
+            if aliases(old, flat_u8):
+                give_private_storage(old)
+                detached += 1
+            self._bound[index] = None
+        return detached
 
     def materialize(self, flat_u8: torch.Tensor, device: torch.device) -> None:
-        """Give every tensor its own storage on `device`, copied from its view in `flat_u8`."""
-        for tensor, views in zip(self.tensors(), self.layout.views(flat_u8), strict=True):
-            _bind_leaves(tensor, {f: v.to(device, copy=True) for f, v in views.items()})
+        """Give every tensor still bound into `flat_u8` its own storage on `device` (a copy of
+        its bytes there), and every earlier bound object its own storage where it is, so
+        nothing refers to `flat_u8` afterwards. Tensors the loader replaced are left alone."""
+        self.detach_replaced(flat_u8)
+        for tensor in self.tensors():
+            if aliases(tensor, flat_u8):
+                _bind_leaves(tensor, {f: leaf.to(device, copy=True)
+                                      for f, leaf in leaves_of(tensor)})
+        self._bound = [None] * len(self.refs)
 
     def is_bound_to(self, flat_u8: torch.Tensor) -> bool:
         """True when every leaf still lives at its offset in `flat_u8`."""
@@ -169,6 +226,20 @@ class BlockWeights:
             if current is None or current.data_ptr() != base + leaf.offset:
                 return False
         return True
+
+
+def aliases(tensor: torch.Tensor, flat_u8: torch.Tensor) -> bool:
+    """True when any leaf of `tensor` lives inside `flat_u8`'s bytes."""
+    if tensor.device != flat_u8.device:
+        return False
+    lo = flat_u8.data_ptr()
+    hi = lo + flat_u8.numel()
+    return any(leaf.numel() and lo <= leaf.data_ptr() < hi for _, leaf in leaves_of(tensor))
+
+
+def give_private_storage(tensor: torch.Tensor) -> None:
+    """Copy `tensor`'s leaves into storage of its own, in place (same object, same device)."""
+    _bind_leaves(tensor, {field: leaf.clone() for field, leaf in leaves_of(tensor)})
 
 
 def _bind_leaves(tensor: torch.Tensor, views: dict[str, torch.Tensor]) -> None:

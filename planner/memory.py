@@ -92,6 +92,7 @@ def choose_chunks(
     dims: BlockDims = BlockDims(),
     *,
     lora_on_activations: bool = False,
+    lora_rank: int = 128,
     fused_swiglu: bool = False,
     dual_sage_root_extra_per_token: int = 0,
 ) -> ChunkSettings:
@@ -101,7 +102,8 @@ def choose_chunks(
     (qkv buffer + attention output) is what chunking cannot remove, so FFN chunks are sized to
     bring the MLP phase down to about that floor.
     """
-    kwargs = dict(lora_on_activations=lora_on_activations, fused_swiglu=fused_swiglu,
+    kwargs = dict(lora_on_activations=lora_on_activations, lora_rank=lora_rank,
+                  fused_swiglu=fused_swiglu,
                   dual_sage_root_extra_per_token=dual_sage_root_extra_per_token)
     if block_activation_peak(tokens, dims, **kwargs).peak_bytes <= free_bytes:
         return ChunkSettings()

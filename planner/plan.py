@@ -24,6 +24,7 @@ from .parallel import MODES as PARALLEL_MODES
 from .parallel import ParallelPlan, plan_parallel
 
 LOOKAHEAD = 2  # copies run 2 streamed blocks ahead, into K + 1 = 3 device slots
+TURBO_LORA_RANK = 128  # the rank of the built-in LoRA size (the 8-step turbo LoRA)
 TEXT_ENCODER_WORKSPACE = int(0.75 * GiB)
 
 
@@ -123,6 +124,8 @@ class PrefetchPlan:
     pinned_budget_bytes: int
     source: str  # "none" | "pinned" | "pinned+pageable"
     reason: str
+    streamed_refiner_blocks: int = 0  # the token refiner's, streamed once per run with them
+    staged_blocks: int = 0  # host copies past the pinned budget, through the staging ring
 
 
 @dataclass
@@ -210,8 +213,8 @@ def _sizes(request: PlanRequest) -> ComponentSizes:
     sizes = bf16_sizes(OFFICIAL) if request.dit_dtype == "bf16" else OFFICIAL
     if request.dit_file:
         sizes = dit_sizes_from_file(request.dit_file, sizes)
-    if request.lora_rank == 0:
-        sizes = replace(sizes, lora_bytes=0)
+    # LoRA weights scale with the rank: the built-in size is the turbo LoRA's, at rank 128
+    sizes = replace(sizes, lora_bytes=sizes.lora_bytes * request.lora_rank // TURBO_LORA_RANK)
     return sizes
 
 
@@ -339,10 +342,12 @@ def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1
                                                     element_bytes=dims.element_bytes)
                   if dual.enabled else 0)
     reserve = reserve_bytes(root_gpu.memory_bytes)
-    fixed = sizes.dit_other_bytes + sizes.lora_bytes
+    # the token refiner's blocks count with the DiT blocks: they stream with them
+    fixed = _dit_fixed_bytes(sizes) + sizes.lora_bytes
     budget = root_gpu.memory_bytes - reserve - fixed
-    all_blocks = geometry.BLOCKS * sizes.dit_block_bytes
-    peak_kwargs = dict(lora_on_activations=lora, fused_swiglu=request.fused_swiglu,
+    all_blocks = (geometry.BLOCKS + geometry.REFINER_BLOCKS) * sizes.dit_block_bytes
+    peak_kwargs = dict(lora_on_activations=lora, lora_rank=request.lora_rank,
+                       fused_swiglu=request.fused_swiglu,
                        dual_sage_root_extra_per_token=root_extra)
     chunks, chunk_reason = _plan_chunks(request, dims, tokens["pass2"], budget - all_blocks,
                                         peak_kwargs)
@@ -416,29 +421,52 @@ def _chunk_note(request: PlanRequest, dims: BlockDims, chunks: ChunkSettings) ->
                                        floors)
 
 
+def _dit_fixed_bytes(sizes: ComponentSizes) -> int:
+    """DiT bytes always resident: outside the 50 blocks and the token refiner's blocks."""
+    return max(0, sizes.dit_other_bytes - geometry.REFINER_BLOCKS * sizes.dit_block_bytes)
+
+
 def _plan_prefetch(request: PlanRequest, profile: HardwareProfile, sizes: ComponentSizes,
                    free_for_blocks: int) -> PrefetchPlan:
     block = sizes.dit_block_bytes
-    pinned_budget = int(profile.host_ram_bytes * request.pinned_fraction)
-    if request.resident_blocks is not None:
+    refiner = geometry.REFINER_BLOCKS
+    forced = request.resident_blocks is not None
+    if forced:
         resident = request.resident_blocks
     else:
         # offload/'s own arithmetic: all blocks, or the count that leaves room for K + 1 slots
         resident = offload_sizing.resident_blocks_for_budget(
             max(free_for_blocks, 0), blocks=geometry.BLOCKS, block_bytes=block,
-            lookahead=LOOKAHEAD)
+            lookahead=LOOKAHEAD, extra_streamed=refiner)
     streamed = geometry.BLOCKS - resident
+    need = offload_sizing.streamed_weight_vram_bytes(
+        blocks=geometry.BLOCKS, resident=resident, block_bytes=block, lookahead=LOOKAHEAD,
+        extra_streamed=refiner)
+    short = (f"; {resident} resident blocks as requested need {need / GiB:.1f} GiB for block "
+             f"weights, {max(free_for_blocks, 0) / GiB:.1f} GiB are left beside the "
+             f"activations: DOES NOT FIT" if forced and need > free_for_blocks else "")
     if streamed == 0:
-        return PrefetchPlan(resident, 0, 0, 0, "none", "all 50 blocks fit on the root GPU")
-    stream_bytes = streamed * block
-    source = "pinned" if stream_bytes <= pinned_budget else "pinned+pageable"
-    reason = (f"{streamed} blocks ({stream_bytes / GiB:.1f} GiB) stream from host memory "
-              f"{LOOKAHEAD} blocks ahead")
-    if source != "pinned":
-        reason += (f"; {pinned_budget / GiB:.0f} GiB pinned budget, the rest through a pinned "
-                   f"staging ring")
-    return PrefetchPlan(resident, streamed, LOOKAHEAD, min(stream_bytes, pinned_budget),
-                        source, reason)
+        reason = ("all 50 blocks resident, as requested" if forced
+                  else "all 50 blocks fit on the root GPU")
+        return PrefetchPlan(resident, 0, 0, 0, "none", reason + short)
+    # what the runtime streams: the DiT blocks and the refiner's, each host copy a flat buffer
+    # a little larger than its tensors (alignment); its pinned budget rule is arena_split's
+    count = streamed + refiner
+    flat = block + offload_sizing.ARENA_SLACK_PER_BLOCK
+    host_budget = int(profile.host_ram_bytes * request.pinned_fraction)
+    reason = (f"{streamed} blocks and the token refiner's {refiner} "
+              f"({count * block / GiB:.1f} GiB) stream from host memory {LOOKAHEAD} blocks "
+              f"ahead (the refiner once per sampling run)")
+    if count * flat <= host_budget:
+        return PrefetchPlan(resident, streamed, LOOKAHEAD, count * flat, "pinned",
+                            reason + ", all pinned" + short, refiner, 0)
+    split = offload_sizing.arena_split([flat] * count, host_budget)
+    reason += (f"; the {host_budget / GiB:.0f} GiB pinned budget holds "
+               f"{count - split.staged_blocks} of them and the pinned staging ring "
+               f"({split.staging_bytes / GiB:.1f} GiB), {split.staged_blocks} go through the "
+               f"ring from pageable memory")
+    return PrefetchPlan(resident, streamed, LOOKAHEAD, host_budget, "pinned+pageable",
+                        reason + short, refiner, split.staged_blocks)
 
 
 def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1, pass2,
@@ -446,10 +474,11 @@ def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1
     from .sizing import dual_sage_helper_workspace, upscale_workspace
 
     gpus = []
-    dit_weights = sizes.dit_other_bytes + sizes.lora_bytes + \
+    dit_weights = _dit_fixed_bytes(sizes) + sizes.lora_bytes + \
         offload_sizing.streamed_weight_vram_bytes(
             blocks=geometry.BLOCKS, resident=prefetch.resident_blocks,
-            block_bytes=sizes.dit_block_bytes, lookahead=prefetch.lookahead)
+            block_bytes=sizes.dit_block_bytes, lookahead=LOOKAHEAD,
+            extra_streamed=geometry.REFINER_BLOCKS)
     for index, spec in enumerate(profile.gpus):
         is_root, is_helper = index == root, index in helpers or not helpers
         role = "root+helper" if is_root and not helpers else ("root" if is_root else "helper")

@@ -309,10 +309,15 @@ def run_like_sampler(patcher, inputs: H3Inputs, *, sigmas=(0.9, 0.0), seed: int 
 
 
 def unload_all() -> None:
-    """ComfyUI's own 'unload everything' (what its /free endpoint does), weights unpatched."""
+    """ComfyUI's own 'unload everything' (what its /free endpoint does), weights unpatched, on
+    every device a model is loaded on (`unload_all_models` frees only ComfyUI's default one;
+    a DiT on cuda:1 would stay loaded)."""
     comfy = import_comfyui()
-    comfy.model_management.unload_all_models()
-    comfy.model_management.soft_empty_cache()
+    mm = comfy.model_management
+    mm.unload_all_models()
+    for device in {loaded.device for loaded in mm.current_loaded_models}:
+        mm.free_memory(1e30, device)
+    mm.soft_empty_cache()
 
 
 DEFAULT_LORA_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")

@@ -268,3 +268,149 @@ def test_replaced_parameters_are_copied_again():
     streamer.prepare()
     assert streamer.registrations == before + 1
     assert torch.equal(run(blocks, streamer, x), ref)
+
+
+def test_prologue_streams_once_and_step_boundaries_prefetch_the_cycle():
+    """The token refiner (prologue) runs once per sampling run before the DiT steps: it leads
+    into the cycle, and the cycle's look-ahead never wraps back into it."""
+    blocks = {f"b{i}": block for i, block in enumerate(make(6))}
+    x = torch.randn(5, 8)
+    streamer = BlockStreamer(blocks, device=torch.device("cpu"), lookahead=2,
+                             pinned_budget_bytes=None, source=Source.AUTO, prologue=["b0", "b1"])
+    assert streamer.cycle == ["b2", "b3", "b4", "b5"] and streamer.prologue == ["b0", "b1"]
+    assert list(streamer.following("b1")) == ["b2", "b3", "b4", "b5"]
+    assert list(streamer.following("b5")) == ["b2", "b3", "b4"]
+
+    def run_ids(ids, h, stream):
+        for block_id in ids:
+            if stream:
+                streamer.begin(block_id)
+            h = blocks[block_id](h)
+            if stream:
+                streamer.end(block_id)
+        return h
+
+    cycle = ["b2", "b3", "b4", "b5"]
+    ref_prologue = run_ids(["b0", "b1"], x, False)
+    ref_step = run_ids(cycle, ref_prologue, False)
+    streamer.prepare()
+    h = run_ids(["b0", "b1"], x, True)
+    assert torch.equal(h, ref_prologue)
+    for _ in range(3):  # three steps
+        assert torch.equal(run_ids(cycle, h, True), ref_step)
+        assert set(streamer.slots.holder) <= set(cycle)
+    assert streamer.copies["b0"] == streamer.copies["b1"] == 1
+    assert all(streamer.copies[b] >= 3 for b in cycle)
+
+
+def test_a_backup_of_a_bound_tensor_keeps_its_bytes():
+    """ComfyUI backs a weight up with `weight.to(offload_device, copy=False)`: for a weight
+    bound to its host copy that is the bound object itself. Re-copying the host copy must not
+    change the backup."""
+    blocks = make(3)
+    x = torch.randn(5, 8)
+    ref = run(blocks, None, x)
+    streamer = BlockStreamer({"b1": blocks[1]}, device=torch.device("cpu"), lookahead=1,
+                             pinned_budget_bytes=None, source=Source.AUTO)
+    streamer.prepare()
+    backup = blocks[1].lin.weight  # the bound object, as ComfyUI's backup holds it
+    original = backup.detach().clone()
+    blocks[1].lin.weight = nn.Parameter(original * 2.0, requires_grad=False)  # LoRA patch
+    streamer.prepare()
+    assert torch.equal(backup, original) and streamer.detached_backups == 1
+    assert not torch.equal(run(blocks, streamer, x), ref)
+    blocks[1].lin.weight = nn.Parameter(backup, requires_grad=False)  # ComfyUI unpatches
+    streamer.prepare()
+    assert torch.equal(run(blocks, streamer, x), ref)
+
+
+def test_adopt_puts_a_replaced_tensor_into_the_host_copy():
+    blocks = make(3)
+    streamer = BlockStreamer({"b1": blocks[1]}, device=torch.device("cpu"), lookahead=1,
+                             pinned_budget_bytes=None, source=Source.AUTO)
+    streamer.prepare()
+    host = streamer.host["b1"].flat
+    backup = blocks[1].lin.weight
+    original = backup.detach().clone()
+    blocks[1].lin.weight = nn.Parameter(original + 1.0, requires_grad=False)
+    before = streamer.registrations
+    assert streamer.adopt("b1", blocks[1].lin, "weight")
+    weight = blocks[1].lin.weight
+    assert host.data_ptr() <= weight.data_ptr() < host.data_ptr() + host.numel()
+    assert torch.equal(weight, original + 1.0) and torch.equal(backup, original)
+    assert streamer.registrations == before + 1
+    assert streamer.weights["b1"].is_bound_to(host)
+    assert not streamer.adopt("b1", blocks[0].lin, "weight")  # not a tensor of this block
+
+
+def test_unpin_and_repin_in_place(monkeypatch):
+    from h3_multigpu.offload import arena
+
+    locked: set[int] = set()
+    monkeypatch.setattr(arena, "page_lock", lambda r: locked.add(r.data_ptr()) or True)
+    monkeypatch.setattr(arena, "page_unlock", lambda r: locked.discard(r.data_ptr()))
+    blocks = make(4)
+    x = torch.randn(5, 8)
+    ref = run(blocks, None, x)
+    streamer = BlockStreamer({f"b{i}": blocks[i] for i in (1, 2, 3)},
+                             device=torch.device("cpu"), lookahead=1, pinned_budget_bytes=None,
+                             source=Source.AUTO, can_pin=True)
+    streamer.prepare()
+    pinned = streamer.stats()["pinned_bytes"]
+    assert pinned == 3 * module_bytes(blocks[0]) and len(locked) == 3
+    pointers = [streamer.host[b].flat.data_ptr() for b in ("b1", "b2", "b3")]
+    streamer.unpin()  # ComfyUI unloaded the model
+    assert not locked and streamer.stats()["pinned_bytes"] == 0 and streamer.slots is None
+    assert [streamer.host[b].flat.data_ptr() for b in ("b1", "b2", "b3")] == pointers
+    streamer.prepare()  # the next run locks the same pages again
+    assert len(locked) == 3 and streamer.stats()["pinned_bytes"] == pinned
+    assert torch.equal(run(blocks, streamer, x), ref)
+
+
+def test_a_failed_registration_leaves_the_weights_and_can_be_retried(monkeypatch):
+    from h3_multigpu.offload.arena import HostArena
+
+    blocks = make(4)
+    x = torch.randn(5, 8)
+    ref = run(blocks, None, x)
+    before = [p.detach().clone() for b in blocks for p in b.parameters()]
+    streamer = BlockStreamer({f"b{i}": blocks[i] for i in range(4)}, device=torch.device("cpu"),
+                             lookahead=1, pinned_budget_bytes=None, source=Source.AUTO)
+    original, calls = HostArena.allocate, []
+
+    def failing(self, nbytes, want_direct):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("injected")
+        return original(self, nbytes, want_direct)
+
+    monkeypatch.setattr(HostArena, "allocate", failing)
+    try:
+        streamer.prepare()
+    except MemoryError:
+        pass
+    assert not streamer.prepared and streamer.host == {}
+    after = [p for b in blocks for p in b.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    streamer.prepare()
+    assert streamer.prepared and torch.equal(run(blocks, streamer, x), ref)
+
+
+def test_arena_split_is_what_the_streamer_does():
+    from h3_multigpu.offload import sizing
+
+    blocks = make(6)
+    one = module_bytes(blocks[0])
+    for budget_blocks, source in [(None, "auto"), (6, "auto"), (5, "auto"), (4, "auto"),
+                                  (1, "auto"), (2, "pinned"), (None, "pageable")]:
+        budget = None if budget_blocks is None else budget_blocks * one
+        streamer = BlockStreamer({f"b{i}": blocks[i] for i in range(6)},
+                                 device=torch.device("cpu"), lookahead=1,
+                                 pinned_budget_bytes=budget, source=Source(source))
+        streamer.prepare()
+        split = sizing.arena_split([one] * 6, budget, source=source)
+        stats = streamer.stats()
+        assert stats["staged_blocks"] == split.staged_blocks, (budget_blocks, source)
+        assert stats["host_direct_bytes"] == split.direct_bytes
+        assert stats["staging_bytes"] == split.staging_bytes
+        streamer.close()

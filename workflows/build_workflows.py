@@ -21,7 +21,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # ui_graph.py beside this file; h3_multigpu must be importable
 
+from graph_layout import Layout, columns_of  # noqa: E402
 from ui_graph import HELPER, NOTE_TYPE, PLAIN, ROOT, Workflow  # noqa: E402
+
+try:
+    from subgraph_columns import COLUMNS  # written by order_search.py
+except ImportError:  # order_search.py builds the graphs before subgraph_columns.py exists
+    COLUMNS = None
 
 DATA = HERE.parent / "tests" / "data"
 
@@ -73,7 +79,12 @@ PASS1_SIZE = (864, 480)
 PASS2_SIZE = (1312, 736)
 SECONDS = 5.0
 SEED = 42
-COLUMN = 430
+LOADER_WIDTH = 320  # room for the model files' names
+STAGE_WIDTH = 280
+VALUE_WIDTH = 240  # the editor widens a node with widgets to 210 at least
+# The subgraph's input node as wide as the editor draws it (its slots' labels set it).
+IN_WIDTH = {"t2v": 128, "i2v": 128, "r2v": 192}
+OUT_WIDTH = 140
 STEPS = {"t2v": (8, 4), "i2v": (8, 4), "r2v": (4, 2)}  # 8-step / 4-step turbo LoRAs
 
 
@@ -130,7 +141,7 @@ def two_pass(kind: str) -> Workflow:
     title = {"t2v": "H3 two-pass text to video (multi-GPU)",
              "i2v": "H3 two-pass image to video (multi-GPU)",
              "r2v": "H3 two-pass reference to video (multi-GPU)"}[kind]
-    sub = wf.subgraph(title, input_pos=(-380, 300), output_pos=(8 * COLUMN + 160, 300))
+    sub = wf.subgraph(title, input_pos=(0, 0), output_pos=(0, 0))
 
     # Promoted inputs (widgets on the subgraph node) and sockets from the top level.
     prompt_in = sub.promote("prompt", "STRING", PROMPTS[kind])
@@ -161,136 +172,126 @@ def two_pass(kind: str) -> Workflow:
         x += 360
     pipeline = top.add(sub, title, (x, 0), box=(440, 560),
                        **{i.name: i.value for i in sub.inputs if i.widget}, **sockets)
-    top.add("SaveVideo", "Save Video", (x + 480, 0), box=(420, 560),
+    top.add("SaveVideo", "Save Video", (x + 560, 0), box=(420, 560),
             video=pipeline.ref("VIDEO"), filename_prefix=f"video/H3_MultiGPU_{kind}",
             format="auto", **{"format.codec": "auto"}, codec="auto")
-    top.add("H3MultiGPUShowText", "GPU Status", (x + 480, 600), box=(420, 300),
+    top.add("H3MultiGPUShowText", "GPU Status", (x + 560, 620), box=(420, 300),
             text=pipeline.ref("status"))
 
-    # Layout: sockets (models, CLIP, VAEs) flow along the top from the loaders through the
-    # placement node to each stage; the job's values (sizes, seconds, prompt, seed, steps)
-    # come up from below into the widget inputs, which the editor draws under the sockets.
-    # Column 0: the model files.
-    dit = sub.add("UNETLoader", "Diffusion Model", (0, 0), unet_name=dit_file,
-                  weight_dtype="default")
-    lora = sub.add("LoraLoaderModelOnly", "Turbo LoRA", (0, 160), model=dit.ref("MODEL"),
-                   lora_name=lora_file, strength_model=1.0)
-    clip = sub.add("CLIPLoader", "Text Encoder", (0, 320), clip_name=TEXT_ENCODER_FILE,
-                   type="minimax", device="default")
-    vae = sub.add("VAELoader", "Video VAE", (0, 510), vae_name=VIDEO_VAE_FILE)
-    avae = sub.add("VAELoader", "Audio VAE", (0, 630), vae_name=AUDIO_VAE_FILE)
-    up = sub.add("H3MultiGPULatentUpscalerLoader", "Latent Upscaler", (0, 750),
-                 upscaler_name=UPSCALER_FILE)
-    # Column 1, below the loaders' wires: the sizes and the length, in the order the
-    # placement node takes them (titles are what the client patches).
-    c1 = COLUMN
-    p2w = sub.add("PrimitiveInt", "PASS2 Width", (c1, 900), value=PASS2_SIZE[0])
-    p2h = sub.add("PrimitiveInt", "PASS2 Height", (c1, 1030), value=PASS2_SIZE[1])
-    p1w = sub.add("PrimitiveInt", "PASS1 Width", (c1, 1160), value=PASS1_SIZE[0])
-    p1h = sub.add("PrimitiveInt", "PASS1 Height", (c1, 1290), value=PASS1_SIZE[1])
-    seconds = sub.add("H3MultiGPUSeconds", "Seconds", (c1, 1420), seconds=seconds_in)
-    # Column 2: plan and placement (the drop-in plans by itself from the sizes it is given).
-    c2 = 2 * COLUMN
-    place = sub.add("H3MultiGPU", "Multi-GPU Placement", (c2, 0), box=(400, None),
-                    model=lora.ref("MODEL"), clip=clip.ref("CLIP"), vae=vae.ref("VAE"),
-                    audio_vae=avae.ref("VAE"),
-                    latent_upscale_model=up.ref("latent_upscale_model"),
-                    pass2_width=p2w.ref("INT"), pass2_height=p2h.ref("INT"),
-                    pass1_width=p1w.ref("INT"), pass1_height=p1h.ref("INT"),
-                    seconds=seconds.ref("seconds"), devices="auto", lora_rank=128)
-    prompt = sub.add("PrimitiveStringMultiline", "Prompt", (c2, 480), box=(400, 230),
-                     value=prompt_in)
-    # Each stage is two columns: the nodes that feed a sampler or a decode on the left, the
-    # node they feed on the right, so no wire runs back into its own column.
-    x = 3 * COLUMN + 20
+    # The pipeline, in the order the ids are handed out (the API twin names nodes by id).
+    # Positions come from the layout below.
+    def add(type_: str, title: str, box_width: float, role: str = PLAIN,
+            box_height: float | None = None, **values):
+        return sub.add(type_, title, (0, 0), role, box=(box_width, box_height), **values)
+
+    dit = add("UNETLoader", "Diffusion Model", LOADER_WIDTH, unet_name=dit_file,
+              weight_dtype="default")
+    lora = add("LoraLoaderModelOnly", "Turbo LoRA", LOADER_WIDTH, model=dit.ref("MODEL"),
+               lora_name=lora_file, strength_model=1.0)
+    clip = add("CLIPLoader", "Text Encoder", LOADER_WIDTH, clip_name=TEXT_ENCODER_FILE,
+               type="minimax", device="default")
+    vae = add("VAELoader", "Video VAE", LOADER_WIDTH, vae_name=VIDEO_VAE_FILE)
+    avae = add("VAELoader", "Audio VAE", LOADER_WIDTH, vae_name=AUDIO_VAE_FILE)
+    up = add("H3MultiGPULatentUpscalerLoader", "Latent Upscaler", LOADER_WIDTH,
+             upscaler_name=UPSCALER_FILE)
+    # One source for the sizes and the length, each beside the stage that uses it; the
+    # placement node reads them too (plan and placement), over wires that run back under the
+    # pipeline.
+    p2w = add("PrimitiveInt", "PASS2 Width", VALUE_WIDTH, value=PASS2_SIZE[0])
+    p2h = add("PrimitiveInt", "PASS2 Height", VALUE_WIDTH, value=PASS2_SIZE[1])
+    p1w = add("PrimitiveInt", "PASS1 Width", VALUE_WIDTH, value=PASS1_SIZE[0])
+    p1h = add("PrimitiveInt", "PASS1 Height", VALUE_WIDTH, value=PASS1_SIZE[1])
+    seconds = add("H3MultiGPUSeconds", "Seconds", VALUE_WIDTH, seconds=seconds_in)
+    # Plan and placement (the drop-in plans by itself from the sizes it is given).
+    place = add("H3MultiGPU", "Multi-GPU Placement", 400,
+                model=lora.ref("MODEL"), clip=clip.ref("CLIP"), vae=vae.ref("VAE"),
+                audio_vae=avae.ref("VAE"), latent_upscale_model=up.ref("latent_upscale_model"),
+                pass2_width=p2w.ref("INT"), pass2_height=p2h.ref("INT"),
+                pass1_width=p1w.ref("INT"), pass1_height=p1h.ref("INT"),
+                seconds=seconds.ref("seconds"), devices="auto", lora_rank=128)
+    prompt = add("PrimitiveStringMultiline", "Prompt", VALUE_WIDTH, box_height=200,
+                 value=prompt_in)
     common = dict(clip=place.ref("clip"), vae=place.ref("vae"), prompt=prompt.ref("STRING"),
                   width=p1w.ref("INT"), height=p1h.ref("INT"), length=seconds.ref("frames"))
     if kind == "r2v":
-        cond = sub.add("MiniMaxH3ReferenceToVideo", "PASS1 Conditioning", (x, 0), HELPER,
-                       audio_vae=place.ref("audio_vae"), ref_image_size="match",
-                       **{"ref_images.ref_image_0": images_in[0],
-                          "ref_images.ref_image_1": images_in[1]}, **common)
+        cond = add("MiniMaxH3ReferenceToVideo", "PASS1 Conditioning", STAGE_WIDTH, HELPER,
+                   audio_vae=place.ref("audio_vae"), ref_image_size="match",
+                   **{"ref_images.ref_image_0": images_in[0],
+                      "ref_images.ref_image_1": images_in[1]}, **common)
     else:
         extra = {"first_frame": images_in[0]} if kind == "i2v" else {}
-        cond = sub.add("MiniMaxH3ImageToVideo", "PASS1 Conditioning", (x, 0), HELPER,
-                       **extra, **common)
-    seed = sub.add("PrimitiveInt", "Seed", (x, 620), value=seed_in)
-    s1 = sub.add("PrimitiveInt", "PASS1 Steps", (x, 750), value=steps1)
-    x += COLUMN
-    release = sub.add("H3MultiGPUReleaseCLIP", "Release Text Encoder", (x, 0), HELPER,
-                      conditioning=cond.ref("positive"), clip=place.ref("clip"),
-                      release="auto", plan=place.ref("plan"))
+        cond = add("MiniMaxH3ImageToVideo", "PASS1 Conditioning", STAGE_WIDTH, HELPER,
+                   **extra, **common)
+    seed = add("PrimitiveInt", "Seed", VALUE_WIDTH, value=seed_in)
+    s1 = add("PrimitiveInt", "PASS1 Steps", VALUE_WIDTH, value=steps1)
+    release = add("H3MultiGPUReleaseCLIP", "Release Text Encoder", STAGE_WIDTH, HELPER,
+                  conditioning=cond.ref("positive"), clip=place.ref("clip"),
+                  release="auto", plan=place.ref("plan"))
     # PASS1 on the root: noise, guider, sampler and schedule feed the sampler on their right.
-    x += COLUMN
-    noise1 = sub.add("RandomNoise", "PASS1 Noise", (x, 0), ROOT, noise_seed=seed.ref("INT"))
-    guider = sub.add("BasicGuider", "Guider", (x, 130), ROOT, model=place.ref("model"),
-                     conditioning=release.ref("conditioning"))
-    sampler = sub.add("KSamplerSelect", "Sampler", (x, 260), ROOT,
-                      sampler_name="res_multistep")
-    sched1 = sub.add("BasicScheduler", "PASS1 Schedule", (x, 380), ROOT,
-                     model=place.ref("model"), scheduler="simple", steps=s1.ref("INT"),
-                     denoise=1.0)
-    x += COLUMN
-    pass1 = sub.add("SamplerCustomAdvanced", "PASS1 Sampler", (x, 0), ROOT,
-                    noise=noise1.ref("NOISE"), guider=guider.ref("GUIDER"),
-                    sampler=sampler.ref("SAMPLER"), sigmas=sched1.ref("SIGMAS"),
-                    latent_image=cond.ref("LATENT"))
+    noise1 = add("RandomNoise", "PASS1 Noise", STAGE_WIDTH, ROOT, noise_seed=seed.ref("INT"))
+    guider = add("BasicGuider", "Guider", STAGE_WIDTH, ROOT, model=place.ref("model"),
+                 conditioning=release.ref("conditioning"))
+    sampler = add("KSamplerSelect", "Sampler", STAGE_WIDTH, ROOT, sampler_name="res_multistep")
+    sched1 = add("BasicScheduler", "PASS1 Schedule", STAGE_WIDTH, ROOT,
+                 model=place.ref("model"), scheduler="simple", steps=s1.ref("INT"), denoise=1.0)
+    pass1 = add("SamplerCustomAdvanced", "PASS1 Sampler", STAGE_WIDTH, ROOT,
+                noise=noise1.ref("NOISE"), guider=guider.ref("GUIDER"),
+                sampler=sampler.ref("SAMPLER"), sigmas=sched1.ref("SIGMAS"),
+                latent_image=cond.ref("LATENT"))
     # The learned latent upscale on the helper (pixels, not a 1.5x factor).
-    x += COLUMN
-    upscale = sub.add("H3MultiGPULatentUpscale", "Latent Upscale", (x, 0), HELPER,
-                      model=place.ref("latent_upscale_model"), samples=pass1.ref("output"),
-                      width=p2w.ref("INT"), height=p2h.ref("INT"))
+    upscale = add("H3MultiGPULatentUpscale", "Latent Upscale", STAGE_WIDTH, HELPER,
+                  model=place.ref("latent_upscale_model"), samples=pass1.ref("output"),
+                  width=p2w.ref("INT"), height=p2h.ref("INT"))
     upscale_group = [upscale]
-    s2 = sub.add("PrimitiveInt", "PASS2 Steps", (x, 750), value=steps2)
+    s2 = add("PrimitiveInt", "PASS2 Steps", VALUE_WIDTH, value=steps2)
     guider2 = guider
     if kind == "i2v":
-        keys = sub.add("H3MultiGPUKeyframesToSize", "PASS2 Keyframes", (x, 250), HELPER,
-                       positive=release.ref("conditioning"), vae=place.ref("vae"),
-                       latent=upscale.ref("LATENT"), first_frame=images_in[0])
+        keys = add("H3MultiGPUKeyframesToSize", "PASS2 Keyframes", STAGE_WIDTH, HELPER,
+                   positive=release.ref("conditioning"), vae=place.ref("vae"),
+                   latent=upscale.ref("LATENT"), first_frame=images_in[0])
         upscale_group.append(keys)
     # PASS2 refinement on the root.
-    x += COLUMN
-    noise2 = sub.add("RandomNoise", "PASS2 Noise", (x, 0), ROOT, noise_seed=seed.ref("INT"))
+    noise2 = add("RandomNoise", "PASS2 Noise", STAGE_WIDTH, ROOT, noise_seed=seed.ref("INT"))
     if kind == "i2v":
-        guider2 = sub.add("BasicGuider", "PASS2 Guider", (x, 130), ROOT,
-                          model=place.ref("model"), conditioning=keys.ref("positive"))
-    sched2 = sub.add("BasicScheduler", "PASS2 Schedule", (x, 380), ROOT,
-                     model=place.ref("model"), scheduler="simple", steps=s2.ref("INT"),
-                     denoise=PASS2_DENOISE)
-    x += COLUMN
-    pass2 = sub.add("SamplerCustomAdvanced", "PASS2 Sampler", (x, 0), ROOT,
-                    noise=noise2.ref("NOISE"), guider=guider2.ref("GUIDER"),
-                    sampler=sampler.ref("SAMPLER"), sigmas=sched2.ref("SIGMAS"),
-                    latent_image=upscale.ref("LATENT"))
+        guider2 = add("BasicGuider", "PASS2 Guider", STAGE_WIDTH, ROOT,
+                      model=place.ref("model"), conditioning=keys.ref("positive"))
+    sched2 = add("BasicScheduler", "PASS2 Schedule", STAGE_WIDTH, ROOT,
+                 model=place.ref("model"), scheduler="simple", steps=s2.ref("INT"),
+                 denoise=PASS2_DENOISE)
+    pass2 = add("SamplerCustomAdvanced", "PASS2 Sampler", STAGE_WIDTH, ROOT,
+                noise=noise2.ref("NOISE"), guider=guider2.ref("GUIDER"),
+                sampler=sampler.ref("SAMPLER"), sigmas=sched2.ref("SIGMAS"),
+                latent_image=upscale.ref("LATENT"))
     # Decode on the helper, then the video.
-    x += COLUMN
-    dec = sub.add("VAEDecode", "Decode Video", (x, 0), HELPER, samples=pass2.ref("output"),
-                  vae=place.ref("vae"))
-    adec = sub.add("VAEDecodeAudio", "Decode Audio", (x, 150), HELPER,
-                   samples=pass2.ref("output"), vae=place.ref("audio_vae"))
-    x += COLUMN
-    video = sub.add("CreateVideo", "Create Video", (x, 0), images=dec.ref("IMAGE"),
-                    audio=adec.ref("AUDIO"), fps=24.0, bit_depth="auto", color_space="sRGB",
-                    codec="none")
-    sub.output_pos = (x + COLUMN, 0)
+    dec = add("VAEDecode", "Decode Video", STAGE_WIDTH, HELPER, samples=pass2.ref("output"),
+              vae=place.ref("vae"))
+    adec = add("VAEDecodeAudio", "Decode Audio", STAGE_WIDTH, HELPER,
+               samples=pass2.ref("output"), vae=place.ref("audio_vae"))
+    video = add("CreateVideo", "Create Video", STAGE_WIDTH, images=dec.ref("IMAGE"),
+                audio=adec.ref("AUDIO"), fps=24.0, bit_depth="auto", color_space="sRGB",
+                codec="none")
     sub.output("VIDEO", "VIDEO", video.ref("VIDEO"))
     sub.output("status", "STRING", place.ref("status"))
 
+    # Groups: which GPU runs each stage (blue: the helper, orange: the root), and the values
+    # beside the stage that uses them.
     sub.group("model files", PLAIN, [dit, lora, clip, vae, avae, up])
-    sub.group("sizes and length (one source for every node)", PLAIN,
-              [p2w, p2h, p1w, p1h, seconds])
     sub.group("plan + placement on the GPUs", PLAIN, [place])
-    sub.group("prompt", PLAIN, [prompt])
-    sub.group("seed and PASS1 steps", PLAIN, [seed, s1])
-    sub.group("PASS2 steps", PLAIN, [s2])
+    sub.group("prompt, PASS1 size and length", PLAIN, [prompt, p1w, p1h, seconds])
     sub.group("gpu:0 text encoder, then released", HELPER, [cond, release])
+    sub.group("seed and PASS1 steps", PLAIN, [seed, s1])
     sub.group(f"gpu:1 PASS1 {PASS1_SIZE[0]}x{PASS1_SIZE[1]}", ROOT,
               [noise1, guider, sampler, sched1, pass1])
+    sub.group("PASS2 size", PLAIN, [p2w, p2h])
     sub.group(f"gpu:0 latent upscale to {PASS2_SIZE[0]}x{PASS2_SIZE[1]}", HELPER, upscale_group)
+    sub.group("PASS2 steps", PLAIN, [s2])
     sub.group(f"gpu:1 PASS2 {PASS2_SIZE[0]}x{PASS2_SIZE[1]}", ROOT,
               [noise2, sched2, pass2] + ([guider2] if kind == "i2v" else []))
     sub.group("gpu:0 decode", HELPER, [dec, adec])
     sub.group("the video", PLAIN, [video])
+    if COLUMNS is not None:
+        Layout(wf, sub, columns_of(sub, COLUMNS[kind]),
+               io_widths=(IN_WIDTH[kind], OUT_WIDTH)).apply()
 
     wf.extra = {"ds": {"scale": 0.8, "offset": [40, 60]}, "frontendVersion": "1.58.1"}
     return wf

@@ -4,7 +4,8 @@ One description produces both files, so they cannot disagree:
 - `ui()`: UI format 0.4 with one subgraph (`definitions.subgraphs`), the way the editor saves
   it: every node's input slots in the editor's order (`client/editor.py`), link records whose
   target slot is the index of the input that carries them, `widgets_values` in widget order,
-  promoted widgets as subgraph inputs wired to inner widget inputs, groups, a Markdown note;
+  promoted widgets as subgraph inputs wired to inner widget inputs, groups, a Markdown note,
+  native reroutes (a subgraph's `reroutes`, each link's `parentId`: the last one on its way);
 - `api()`: what the editor's `graphToPrompt()` sends: subgraph nodes flattened to
   `"<subgraph node id>:<inner id>"`, promoted values written onto the inner inputs, links
   through the subgraph's inputs and outputs resolved to the real nodes, notes left out.
@@ -20,6 +21,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+import wire_geometry as wires
 
 from h3_multigpu.client import editor
 
@@ -97,12 +100,24 @@ class Group:
 
 
 @dataclass(eq=False)
+class Reroute:
+    """A native reroute (a point a wire passes through); `parent` is the reroute before it on
+    the way from the output. Editor-only: the API format never sees it."""
+
+    id: int
+    pos: tuple[float, float]
+    parent: Reroute | None = None
+
+
+@dataclass(eq=False)
 class Graph:
     """The root graph or a subgraph's inside; `workflow` hands out the shared ids."""
 
     workflow: Any
     nodes: list = field(default_factory=list)
     groups: list = field(default_factory=list)
+    reroutes: list = field(default_factory=list)
+    via: dict = field(default_factory=dict)  # (id(target), input name) -> its last Reroute
 
     def add(self, type_: str, title: str, pos: tuple[float, float], role: str = PLAIN, *,
             box: tuple[float, float | None] = (380, None), **values) -> Node:
@@ -124,6 +139,15 @@ class Graph:
     def group(self, title: str, role: str, members: list) -> None:
         self.groups.append(Group(title, role, members))
 
+    def reroute(self, pos: tuple[float, float], parent: Reroute | None = None) -> Reroute:
+        point = Reroute(len(self.reroutes) + 1, pos, parent)
+        self.reroutes.append(point)
+        return point
+
+    def route(self, target: Any, name: str, last: Reroute) -> None:
+        """Send the wire into `target`'s input `name` through `last` (and its parents)."""
+        self.via[(id(target), name)] = last
+
 
 @dataclass(eq=False)
 class Subgraph(Graph):
@@ -133,6 +157,7 @@ class Subgraph(Graph):
     outputs: list = field(default_factory=list)
     input_pos: tuple[float, float] = (0, 0)
     output_pos: tuple[float, float] = (0, 0)
+    input_width: float = 180
 
     def promote(self, name: str, type_: str, value: Any, label: str | None = None) -> Ref:
         item = SubgraphInput(name, type_, label or name, True, value, index=len(self.inputs))
@@ -297,10 +322,12 @@ class Workflow:
     def _size(self, node: Node) -> list[float]:
         if node.height is not None:
             return [node.width, node.height]
-        sockets = sum(1 for s in self.slots(node) if not s.widget)
-        rows = max(len(self.outputs(node)), sockets)
-        widgets = [n for n in self.widget_names(node) if n != editor.CONTROL_WIDGET]
-        return [node.width, 30 + 22 * rows + 28 * len(widgets) + 10]
+        # What the editor's computeSize asks (it grows a node loaded shorter).
+        entry = {"type": node.type, "inputs": [{"widget": {}} if slot.widget else {}
+                                                for slot in self.slots(node)],
+                 "outputs": self.outputs(node), "size": [node.width, 0],
+                 "widgets_values_named": self._literals(node)}
+        return [node.width, wires.least_height(entry, self.schemas)]
 
     def _ui_node(self, node: Node, in_subgraph: bool) -> dict:
         inputs = []
@@ -375,9 +402,37 @@ class Workflow:
         else:
             target_id = target.id
             slot = [s.name for s in self.slots(target)].index(name)
-        return {"id": self._link_id(target, name), "origin_id": origin,
+        link = {"id": self._link_id(target, name), "origin_id": origin,
                 "origin_slot": self.output_index(src, out), "target_id": target_id,
                 "target_slot": slot, "type": self.output_type(src, out)}
+        last = self._graph_of(target).via.get((id(target), name))
+        if last is not None:
+            link["parentId"] = last.id
+        return link
+
+    def _graph_of(self, target: Any) -> Graph:
+        if isinstance(target, SubgraphOutput):
+            return next(s for s in self.subgraphs if target in s.outputs)
+        return target.graph
+
+    def _reroutes(self, graph: Graph) -> list[dict]:
+        """The graph's reroutes as the editor saves them, each with the links through it."""
+        through: dict[int, list[int]] = {}
+        for key, last in graph.via.items():
+            link_id = self._links[key]
+            point = last
+            while point is not None:
+                through.setdefault(point.id, []).append(link_id)
+                point = point.parent
+        out = []
+        for point in graph.reroutes:
+            entry: dict[str, Any] = {"id": point.id}
+            if point.parent is not None:
+                entry["parentId"] = point.parent.id
+            entry["pos"] = [round(point.pos[0], 1), round(point.pos[1], 1)]
+            entry["linkIds"] = sorted(through.get(point.id, []))
+            out.append(entry)
+        return out
 
     def _subgraph_definition(self, sub: Subgraph) -> dict:
         edges = self._edges(sub)
@@ -390,7 +445,8 @@ class Workflow:
                                        if s is item)}
             if item.label != item.name:
                 entry["label"] = item.label
-            entry["pos"] = [sub.input_pos[0] + 160, sub.input_pos[1] + 20 + 20 * item.index]
+            entry["pos"] = [sub.input_pos[0] + sub.input_width - 20,
+                            sub.input_pos[1] + 20 + 20 * item.index]
             inputs.append(entry)
         outputs = []
         for item in sub.outputs:
@@ -403,15 +459,17 @@ class Workflow:
         return {
             "id": sub.uuid, "version": 1,
             "state": {"lastGroupId": len(sub.groups), "lastNodeId": self._node_id,
-                      "lastLinkId": self.last_link_id, "lastRerouteId": 0},
+                      "lastLinkId": self.last_link_id, "lastRerouteId": len(sub.reroutes)},
             "revision": 0, "config": {}, "name": sub.name,
             "inputNode": {"id": SUBGRAPH_INPUT_ID,
-                          "bounding": [*sub.input_pos, 180, 40 + 20 * len(sub.inputs)]},
+                          "bounding": [*sub.input_pos, sub.input_width,
+                                       40 + 20 * len(sub.inputs)]},
             "outputNode": {"id": SUBGRAPH_OUTPUT_ID,
                            "bounding": [*sub.output_pos, 140, 40 + 20 * len(sub.outputs)]},
             "inputs": inputs, "outputs": outputs, "widgets": [],
             "nodes": [self._ui_node(n, True) for n in sub.nodes],
-            "groups": self._group_boxes(sub), "links": links, "extra": {},
+            "groups": self._group_boxes(sub), "links": links,
+            **({"reroutes": self._reroutes(sub)} if sub.reroutes else {}), "extra": {},
         }
 
     def ui(self) -> dict:

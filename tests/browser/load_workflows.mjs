@@ -4,7 +4,8 @@
 //   node load_workflows.mjs <server url> <job.json>
 //
 // job.json: {"workflows": {name: ui_json_path}, "screenshots": dir or null}. Prints one JSON
-// object: {name: {toasts, errors, missing, links, widgets, prompt, serialized}}.
+// object: {name: {toasts, errors, missing, links, widgets, prompt, serialized, layout}}, where
+// layout[graph] = {sizes: node sizes, wires: each link's drawn Beziers, one per leg}.
 // Needs the npm packages @sparticuz/chromium and puppeteer-core (NODE_PATH may point at them).
 import fs from 'node:fs'
 import path from 'node:path'
@@ -33,57 +34,63 @@ const browser = await puppeteer.launch({
 // Runs in the page: everything the test asserts on, read from the frontend's own objects.
 async function loadOne(name, ui) {
   const app = window.app
-  // Wires as the canvas draws them (cubic splines leaving outputs to the right and entering
-  // inputs from the left), sampled: crossings between wires and overlaps between nodes.
-  function wireLayout(graph) {
-    const ends = (pos) => [pos[0], pos[1]]
-    const slotPos = (io, index) => io?.slots?.[index]?.pos
-    const curves = []
+  // Wires as the canvas draws them: each graph is shown (a subgraph opened), fitted into the
+  // view so that no wire is culled and drawn once while Path2D records every Bezier; each
+  // link's legs are the paths the canvas stored on its reroutes and on the link.
+  async function drawnWires(graph) {
+    const canvas = app.canvas
+    if (graph !== app.rootGraph) {
+      const host = app.rootGraph.nodes.find((n) => n.isSubgraphNode?.() && n.subgraph === graph)
+      canvas.openSubgraph(graph, host)
+    }
+    await new Promise((r) => setTimeout(r, 200))
+    const xs = [], ys = []
+    for (const n of graph.nodes) { xs.push(n.pos[0], n.pos[0] + n.size[0]); ys.push(n.pos[1] - 40, n.pos[1] + n.size[1]) }
+    for (const io of [graph.inputNode, graph.outputNode]) {
+      const box = io?.boundingRect
+      if (box) { xs.push(box[0], box[0] + box[2]); ys.push(box[1], box[1] + box[3]) }
+    }
+    for (const r of graph.reroutes?.values?.() ?? []) { xs.push(r.pos[0]); ys.push(r.pos[1]) }
+    const [x0, x1, y0, y1] = [Math.min(...xs) - 400, Math.max(...xs) + 400, Math.min(...ys) - 400, Math.max(...ys) + 400]
+    const scale = 0.5 * Math.min(canvas.canvas.clientWidth / (x1 - x0), canvas.canvas.clientHeight / (y1 - y0))
+    canvas.ds.scale = scale
+    canvas.ds.offset[0] = -x0
+    canvas.ds.offset[1] = -y0
+    const recorded = new Map()
+    const proto = Path2D.prototype
+    const { moveTo, bezierCurveTo } = proto
+    proto.moveTo = function (x, y) { recorded.set(this, { from: [x, y], beziers: [] }); return moveTo.call(this, x, y) }
+    proto.bezierCurveTo = function (...a) {
+      const r = recorded.get(this)
+      if (r) r.beziers.push([r.from, [a[0], a[1]], [a[2], a[3]], [a[4], a[5]]])
+      return bezierCurveTo.apply(this, a)
+    }
+    try {
+      canvas.setDirty(true, true)
+      canvas.draw(true, true)
+    } finally {
+      proto.moveTo = moveTo
+      proto.bezierCurveTo = bezierCurveTo
+    }
+    const legsOf = (segment) => recorded.get(segment?.path)?.beziers ?? null
+    const out = {}
     for (const link of graph.links.values()) {
-      const origin = Number(link.origin_id) === -10 ? null : graph.getNodeById(link.origin_id)
-      const target = Number(link.target_id) === -20 ? null : graph.getNodeById(link.target_id)
-      const a = origin ? origin.getOutputPos(link.origin_slot) : slotPos(graph.inputNode, link.origin_slot)
-      const b = target ? target.getInputPos(link.target_slot) : slotPos(graph.outputNode, link.target_slot)
-      if (!a || !b) continue
-      const [ax, ay] = ends(a)
-      const [bx, by] = ends(b)
-      const d = Math.max(30, Math.hypot(bx - ax, by - ay) * 0.25)
-      const pts = []
-      for (let i = 0; i <= 24; i++) {
-        const t = i / 24, u = 1 - t
-        pts.push([u * u * u * ax + 3 * u * u * t * (ax + d) + 3 * u * t * t * (bx - d) + t * t * t * bx,
-          u * u * u * ay + 3 * u * u * t * ay + 3 * u * t * t * by + t * t * t * by])
-      }
-      curves.push({ id: link.id, from: `${link.origin_id}:${link.origin_slot}`, pts })
+      const chain = []
+      let id = link.parentId
+      while (id !== undefined) { const r = graph.reroutes.get(id); chain.unshift(r); id = r.parentId }
+      const legs = [...chain.map(legsOf), legsOf(link)]
+      out[link.id] = legs.every((l) => l && l.length === 1) ? legs.map((l) => l[0]) : null
     }
-    const cross = (p, q, r, s) => {
-      const d = (q[0] - p[0]) * (s[1] - r[1]) - (q[1] - p[1]) * (s[0] - r[0])
-      if (Math.abs(d) < 1e-9) return false
-      const t = ((r[0] - p[0]) * (s[1] - r[1]) - (r[1] - p[1]) * (s[0] - r[0])) / d
-      const v = ((r[0] - p[0]) * (q[1] - p[1]) - (r[1] - p[1]) * (q[0] - p[0])) / d
-      return t > 0.02 && t < 0.98 && v > 0.02 && v < 0.98
+    if (graph !== app.rootGraph) canvas.setGraph(app.rootGraph)
+    return out
+  }
+  // Node boxes as the editor sized them (it grows a node its widgets do not fit).
+  function nodeSizes(graph) {
+    for (const node of graph.nodes) {
+      node._setConcreteSlots()
+      if (!node.collapsed) node.arrange()
     }
-    const crossings = []
-    for (let i = 0; i < curves.length; i++) {
-      for (let j = i + 1; j < curves.length; j++) {
-        const A = curves[i], B = curves[j]
-        if (A.from === B.from) continue // wires of one output share their start
-        let hit = false
-        for (let k = 0; k < 24 && !hit; k++)
-          for (let m = 0; m < 24 && !hit; m++)
-            hit = cross(A.pts[k], A.pts[k + 1], B.pts[m], B.pts[m + 1])
-        if (hit) crossings.push([A.id, B.id])
-      }
-    }
-    const boxes = graph.nodes.map((n) => [n.id, n.pos[0], n.pos[1] - 30, n.pos[0] + n.size[0], n.pos[1] + n.size[1]])
-    const overlaps = []
-    for (let i = 0; i < boxes.length; i++)
-      for (let j = i + 1; j < boxes.length; j++) {
-        const [a, ax0, ay0, ax1, ay1] = boxes[i], [b, bx0, by0, bx1, by1] = boxes[j]
-        if (ax0 < bx1 && bx0 < ax1 && ay0 < by1 && by0 < ay1) overlaps.push([a, b])
-      }
-    const sizes = Object.fromEntries(graph.nodes.map((n) => [n.id, [...n.size]]))
-    return { crossings, overlaps, sizes }
+    return Object.fromEntries(graph.nodes.map((n) => [n.id, [...n.size]]))
   }
   const vue = [...document.querySelectorAll('*')].find((e) => e.__vue_app__).__vue_app__
   const toastStore = vue.config.globalProperties.$pinia._s.get('toast')
@@ -125,7 +132,10 @@ async function loadOne(name, ui) {
     }
   }
   const layout = {}
-  for (const graph of graphs) layout[graph === app.rootGraph ? 'root' : graph.id] = wireLayout(graph)
+  for (const graph of graphs) {
+    const where = graph === app.rootGraph ? 'root' : graph.id
+    layout[where] = { sizes: nodeSizes(graph), wires: await drawnWires(graph) }
+  }
   const prompt = (await app.graphToPrompt()).output
   const toasts = toastStore.toasts.map((t) => ({ kind: t.kind, title: t.title,
     description: t.description ?? '' }))
@@ -137,7 +147,7 @@ async function screenshot(page, file, intoSubgraph) {
   // First-run dialogs (the template browser) would cover the graph.
   for (let i = 0; i < 3; i++) await page.keyboard.press('Escape')
   // The subgraph is wide: a larger viewport keeps its text readable in the picture.
-  await page.setViewport(intoSubgraph ? { width: 3200, height: 1300 } : { width: 1800, height: 1100 })
+  await page.setViewport(intoSubgraph ? { width: 4800, height: 1700 } : { width: 1800, height: 1100 })
   await page.evaluate(async (inside) => {
     const app = window.app
     app.canvas.min_font_size_for_lod = 0 // draw titles and widgets at any zoom

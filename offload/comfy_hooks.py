@@ -1,0 +1,233 @@
+"""The prefetcher's ComfyUI seam: every hook `apply_block_prefetch` installs, all public.
+
+On the patcher clone:
+- a `("double_block", i)` replace patch per DiT block (chaining one already there): brackets a
+  streamed block with the streamer's `begin` / `end`;
+- an object patch on `token_refiner.blocks.N.forward` (chaining an earlier one): the refiner
+  runs in `extra_conds`, outside any DiT forward, so its first block prepares the streamer (the
+  weight-change check) with the root device current, then the refiner blocks stream as the
+  prologue of the execution order;
+- loader hooks, object patches on every module of every block: `_apply` (what `Module.to`
+  calls) leaves a streamed block's tensors in host memory, so ComfyUI's loader moves only the
+  resident part; `set_<param>` (ComfyUI's `get_key_weight` looks it up; we add a `None`
+  attribute where the module has none, which ComfyUI treats as absent) receives a LoRA-patched
+  weight from ComfyUI's own `patch_weight_to_device` and, for a streamed block, puts it into
+  the host copy instead of leaving it on the device. Rounding and in-place semantics are
+  ComfyUI's own (`stochastic_rounding` with ComfyUI's seed, `copy_to_param`), so the bytes are
+  those ComfyUI would have produced;
+- a DIFFUSION_MODEL wrapper: prepares the streamer before the block loop, makes the root device
+  current, turns ComfyUI's own block prefetch (`prefetch_dynamic_vbars`) off while blocks stream;
+- a PREPARE_SAMPLING wrapper (before ComfyUI's loader): decides residency and sets the
+  patcher's `model_size()` to what goes on the device;
+- callbacks ON_LOAD (notes ComfyUI's own lowvram streaming), ON_DETACH (frees slots, unpins),
+  ON_APPLY_HOOKS (weight hooks patch in place: slot copies are stale);
+- an attachment naming the `BlockPrefetch`, for `get_block_prefetch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .apply import DIFFUSION_MODEL, PREPARE_SAMPLING, WRAPPER_KEY, BlockPrefetch
+
+ATTACHMENT = WRAPPER_KEY
+STATUS_KEY = "h3_multigpu"
+ON_LOAD, ON_DETACH, ON_APPLY_HOOKS = "on_load_after", "on_detach_after", "on_apply_hooks"
+_UNSET = object()
+_MATH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def install(patcher: Any, prefetch: BlockPrefetch) -> None:
+    options = patcher.model_options["transformer_options"]
+    existing = options.get("patches_replace", {}).get("dit", {})
+    for i in range(prefetch.blocks):
+        patch = _block_patch(prefetch, f"blocks.{i}", existing.get(("double_block", i)))
+        patcher.set_model_patch_replace(patch, "dit", "double_block", i)
+    for j in range(prefetch.refiner_blocks):
+        key = f"diffusion_model.token_refiner.blocks.{j}.forward"
+        patcher.add_object_patch(key, _refiner_forward(prefetch, f"token_refiner.blocks.{j}",
+                                                       patcher.get_model_object(key), first=j == 0))
+    for block_id in prefetch.block_ids:
+        _loader_patches(patcher, prefetch, block_id)
+    patcher.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, _diffusion_wrapper(prefetch))
+    patcher.add_wrapper_with_key(PREPARE_SAMPLING, WRAPPER_KEY, _prepare_wrapper(prefetch))
+    add_callback = getattr(patcher, "add_callback_with_key", None)
+    if add_callback is not None:
+        add_callback(ON_LOAD, WRAPPER_KEY, lambda p, *_: prefetch.on_load(p))
+        add_callback(ON_DETACH, WRAPPER_KEY, lambda p, unpatch_all: prefetch.on_detach(
+            p, unpatch_all))
+        add_callback(ON_APPLY_HOOKS, WRAPPER_KEY, lambda p, hooks: _invalidate(prefetch))
+    if hasattr(patcher, "set_attachments"):
+        patcher.set_attachments(ATTACHMENT, prefetch)
+    else:
+        patcher.attachments[ATTACHMENT] = prefetch
+
+
+def find(patcher: Any) -> BlockPrefetch | None:
+    """The `BlockPrefetch` on a patcher: its attachment, else its diffusion-model wrapper."""
+    attachments = getattr(patcher, "attachments", None) or {}
+    if isinstance(attachments.get(ATTACHMENT), BlockPrefetch):
+        return attachments[ATTACHMENT]
+    places = [getattr(patcher, "wrappers", None) or {},
+              patcher.model_options.get("transformer_options", {}).get("wrappers", {})]
+    for wrappers in places:  # ModelPatcher.wrappers (ComfyUI), model_options (older, twin)
+        for fn in wrappers.get(DIFFUSION_MODEL, {}).get(WRAPPER_KEY, []):
+            prefetch = getattr(fn, "block_prefetch", None)
+            if prefetch is not None:
+                return prefetch
+    return None
+
+
+def record_status(patcher: Any, line: str) -> None:
+    options = patcher.model_options["transformer_options"]
+    options[STATUS_KEY] = {**options.get(STATUS_KEY, {}), "prefetch": line}
+
+
+def _invalidate(prefetch: BlockPrefetch) -> None:
+    if prefetch.streamer is not None:
+        prefetch.streamer.invalidate()
+
+
+def _device_current(prefetch: BlockPrefetch):
+    # ComfyUI's kernels (comfy-kitchen's RoPE, current_stream) use the current device: a DiT on
+    # cuda:1 must run, and its blocks be prepared, with cuda:1 current
+    if prefetch.device.type == "cuda":
+        return torch.cuda.device(prefetch.device)
+    return _NullContext()
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------- running the blocks
+def _block_patch(prefetch: BlockPrefetch, block_id: str, previous: Callable | None) -> Callable:
+    def patch(args: dict, extra: dict) -> dict:
+        if previous is not None:
+            return prefetch.run(block_id, lambda: previous(args, extra))
+        return prefetch.run(block_id, lambda: extra["original_block"](args))
+
+    # it only brackets the block with weight copies and never reads the residual stream: the
+    # sequence mode keeps its rows split across it (and finds the patches chained inside it)
+    patch.h3_multigpu_transparent = True  # type: ignore[attr-defined]
+    patch.h3_multigpu_previous = previous  # type: ignore[attr-defined]
+    return patch
+
+
+def _refiner_forward(prefetch: BlockPrefetch, block_id: str, original: Callable,
+                     first: bool) -> Callable:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with _device_current(prefetch):
+            if first:
+                # upstream runs the refiner in extra_conds, after ComfyUI loaded (and maybe
+                # re-patched) the weights and before any DiT forward: check them here
+                prefetch.prepare()
+            return prefetch.run(block_id, lambda: original(*args, **kwargs))
+
+    return forward
+
+
+def _diffusion_wrapper(prefetch: BlockPrefetch) -> Callable:
+    def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
+        with _device_current(prefetch):
+            prefetch.prepare()
+            options = kwargs.get("transformer_options")
+            if options is None and len(args) > 3 and isinstance(args[3], dict):
+                options = args[3]
+            if prefetch.streamed_ids and isinstance(options, dict):
+                # ComfyUI writes this flag on a copy of the options per call: switching it off
+                # here keeps its DynamicVRAM block prefetch from staging our blocks a second time
+                options["prefetch_dynamic_vbars"] = False
+            return executor(*args, **kwargs)
+
+    wrapper.block_prefetch = prefetch  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _prepare_wrapper(prefetch: BlockPrefetch) -> Callable:
+    def wrapper(executor: Callable, model: Any, *args: Any, **kwargs: Any) -> Any:
+        with _device_current(prefetch):
+            prefetch.ensure_resolved()
+        if prefetch.streamed_ids and hasattr(model, "size"):
+            # load_models_gpu frees, and partially_load compares with, model_size(): make it
+            # what really goes on the device, so the loader neither evicts other models for
+            # nor falls back to a lowvram load because of blocks that never go there
+            model.size = prefetch.device_footprint_bytes()
+        return executor(model, *args, **kwargs)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------- loader hooks
+def _loader_patches(patcher: Any, prefetch: BlockPrefetch, block_id: str) -> None:
+    block = prefetch.module(block_id)
+    for path, module in block.named_modules():
+        prefix = f"diffusion_model.{block_id}" + (f".{path}" if path else "")
+        if not path or module._parameters or module._buffers:
+            key = f"{prefix}._apply"
+            patcher.add_object_patch(key, _apply_patch(prefetch, block_id, module,
+                                                       patcher.get_model_object(key)))
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if not hasattr(module, f"set_{name}"):
+                # ComfyUI's get_key_weight treats a None set_<param> as no setter at all; the
+                # attribute has to exist for an object patch to replace it
+                setattr(module, f"set_{name}", None)
+            key = f"{prefix}.set_{name}"
+            patcher.add_object_patch(key, _set_patch(prefetch, block_id, module, name,
+                                                     patcher.get_model_object(key)))
+
+
+def _apply_patch(prefetch: BlockPrefetch, block_id: str, module: torch.nn.Module,
+                 original: Callable) -> Callable:
+    def _apply(fn: Callable, recurse: bool = True) -> torch.nn.Module:
+        if prefetch.is_streamed(block_id):
+            return module  # a streamed block's tensors stay in host memory
+        return original(fn, recurse)
+
+    return _apply
+
+
+def _set_patch(prefetch: BlockPrefetch, block_id: str, owner: torch.nn.Module, name: str,
+               previous: Callable | None) -> Callable:
+    def set_param(out: torch.Tensor, inplace_update: Any = _UNSET, seed: Any = None,
+                  return_weight: bool = False, **kwargs: Any) -> Any:
+        current = getattr(owner, name)
+        if inplace_update is _UNSET and return_weight:
+            # LowVramPatch computing a weight on the fly: return what ComfyUI returns without
+            # a setter (its own rounding only for a non-math weight dtype)
+            if previous is not None:
+                return previous(out, seed=seed, return_weight=True, **kwargs)
+            if out.dtype == torch.float32 and current.dtype not in _MATH_DTYPES:
+                return _round(out, current.dtype, seed)
+            return out
+        inplace = bool(inplace_update) if inplace_update is not _UNSET else False
+        if previous is not None:
+            value = previous(out, inplace_update=inplace, seed=seed, return_weight=True, **kwargs)
+        else:
+            value = _round(out, current.dtype, seed)  # patch_weight_to_device without a setter
+        if return_weight:
+            return value
+        if inplace:
+            current.data.copy_(value)  # comfy.utils.copy_to_param
+            if prefetch.streamer is not None:
+                prefetch.streamer.invalidate()
+            return None
+        prefetch.place_weight(block_id, owner, name, value)
+        return None
+
+    return set_param
+
+
+def _round(value: torch.Tensor, dtype: torch.dtype, seed: Any) -> torch.Tensor:
+    import comfy.float  # only ever called by ComfyUI's own loader
+
+    return comfy.float.stochastic_rounding(value, dtype, seed=seed)
