@@ -271,10 +271,11 @@ class SequenceParallel:
         """(rows, why): the row floor the blocks' GEMMs need on every device with the
         on-activation adapters on them now (`chunking.exact_rows`: 0 when nothing beyond the
         split's own floor; None when an adapter has no known floor, `why` names it)."""
-        ranks = tuple((name, tuple(sorted({r for block in self.blocks
-                                           for r in activation_adapter_ranks(_linear(block,
-                                                                                     name))})))
-                      for name in exact_rows.LINEARS)
+        found: dict[str, set[int]] = {name: set() for name in exact_rows.LINEARS}
+        for block in self.blocks:  # bypass adapters are injected at load: look each time
+            for name in exact_rows.LINEARS:
+                found[name].update(activation_adapter_ranks(_linear(block, name)))
+        ranks = tuple((name, tuple(sorted(found[name]))) for name in exact_rows.LINEARS)
         key = (ranks, dtype)
         if key not in self._floors:
             shapes = {name: linear_shape(_linear(self.blocks[0], name))
