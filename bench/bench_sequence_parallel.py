@@ -13,6 +13,11 @@ Pick rows (most important first) with --rows, e.g. --rows pass2_69k,relay_69k:
     emu32_362f  362 frames at 1312x736 (S = 102,107) on the emulated 32 GB cards, no chunking:
                 sequence only (one GPU does not fit), checked against the unconstrained one-GPU
                 step (skip that 35 s check with --no-verify-362)
+The emulated rows need PyTorch's expandable segments (the default caching allocator stranded
+3.7 GiB under the cap): the bench sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True itself,
+before torch starts, when --rows includes an emulated row and the variable is unset. Their
+one-GPU reference runs once (only its output is compared); they print whole-GPU peaks next to
+the model's. emu32_69k,emu32_362f --no-verify-362 take about 2 minutes.
 Every ratio is against the one-GPU step of the same model, inputs and attention function (SDPA)
 in the same process, and every split step is compared with it bit for bit. Tokens are video +
 audio (the issue's S) plus --text-len text tokens. `--dry-run` runs every row on the CPU with
@@ -22,32 +27,59 @@ last.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import datetime
-import gc
-import json
+import os
 import sys
-import time
-from pathlib import Path
 
-import torch
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
-from h3_multigpu import geometry
-from h3_multigpu.chunking import sizing as block_sizing
-from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage
-from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
-from h3_multigpu.offload import sizing as offload_sizing
-from h3_multigpu.sequence import (
+
+def _emulated_rows_requested(argv: list[str]) -> bool:
+    """True unless --rows names rows that are all unconstrained (the default runs every row)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--rows=") else \
+            (argv[i + 1] if arg == "--rows" and i + 1 < len(argv) else None)
+        if value is not None:
+            return "emu32" in value
+    return True
+
+
+if __name__ == "__main__" and ALLOC_CONF not in os.environ and \
+        _emulated_rows_requested(sys.argv[1:]):
+    # before torch reads it: under a 32 GiB cap the default caching allocator stranded 3.7 GiB
+    # between streamed blocks and [S, F] activations (OOM asking 1.84 GiB at 27.3 allocated);
+    # expandable segments grow one mapping per stream instead of splitting fixed segments
+    os.environ[ALLOC_CONF] = "expandable_segments:True"
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from h3_multigpu import geometry  # noqa: E402
+from h3_multigpu.chunking import sizing as block_sizing  # noqa: E402
+from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage  # noqa: E402
+from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch  # noqa: E402
+from h3_multigpu.offload import sizing as offload_sizing  # noqa: E402
+from h3_multigpu.sequence import (  # noqa: E402
     SequenceParallelConfig,
     apply_sequence_parallel,
     get_sequence_parallel,
 )
-from h3_multigpu.sequence import sizing as sequence_sizing
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
+from h3_multigpu.sequence import sizing as sequence_sizing  # noqa: E402
+from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin  # noqa: E402
 
 GIB = 1 << 30
 EMULATED_BYTES = 32 * GIB
+# kept free under the emulated cap beside the modelled peak: cuBLAS workspaces, the
+# allocator's rounding and what expandable segments still strand (the default allocator
+# stranded 3.7 GiB: it needs expandable segments, see ALLOC_CONF above)
+EMULATION_MARGIN_BYTES = 3 * GIB
+LOOKAHEAD = 2
 ROWS = ("pass2_69k", "relay_69k", "emu32_69k", "pass2_35k", "pass1_30k", "emu32_362f")
 JOBS = {  # row -> (width, height, frames)
     "pass2_69k": (1312, 736, 243), "relay_69k": (1312, 736, 243), "emu32_69k": (1312, 736, 243),
@@ -126,12 +158,16 @@ class Bench:
         return torch.cuda.device(self.root) if self.root.type == "cuda" else \
             contextlib.nullcontext()
 
-    def reference(self, row: str, inputs) -> tuple[float, list[torch.Tensor]]:
-        """The one-GPU step of this job (timed once per job, reused by later rows)."""
+    def reference(self, row: str, inputs, reps: int | None = None
+                  ) -> tuple[float, list[torch.Tensor]]:
+        """The one-GPU step of this job (timed once per job, reused by later rows).
+
+        reps: 1 where only its output is used (the emulated rows time their own one-GPU step).
+        """
         key = str(JOBS[row])
         if key not in self.references:
             plain = TwinPatcher(self.model, load_device=self.root)
-            ms, out, _ = self.step(plain, inputs, self.args.reps)
+            ms, out, _ = self.step(plain, inputs, reps or self.args.reps)
             self.references[key] = (ms, out)
         return self.references[key]
 
@@ -176,12 +212,12 @@ class Bench:
         check = row != "emu32_362f" or self.args.verify_362
         single = None
         if check:
-            unconstrained_ms, single = self.reference(row, inputs)
+            unconstrained_ms, single = self.reference(row, inputs, reps=1)
             result["unconstrained_single_ms"] = round(unconstrained_ms, 1)
         resident = self.resident_blocks(total, one_gpu_too=row != "emu32_362f")
         base = TwinPatcher(self.model, load_device=self.root)
         streamed = apply_block_prefetch(base, PrefetchConfig(resident_blocks=resident,
-                                                             lookahead=2))
+                                                             lookahead=LOOKAHEAD))
         patched = self.sequence(streamed, helper_weights="stream")
         with self._root_current():
             streamed.apply_model(*self.small)  # registers the streamed blocks: frees their VRAM
@@ -191,6 +227,8 @@ class Bench:
                 if row != "emu32_362f":  # one GPU at 102k does not fit 32 GiB unchunked
                     ms, out, peaks = self.step(streamed, inputs, self.args.reps)
                     result.update(single_streamed_ms=round(ms, 1), single_peaks=peaks,
+                                  single_predicted_peak_GiB=self.predicted_single_peak(
+                                      total, resident),
                                   single_exact=same(out, single) if check else None)
                     del out
                 reps = 1 if row == "emu32_362f" else self.args.reps
@@ -200,6 +238,8 @@ class Bench:
                           bit_identical=same(out, single) if check
                           else None, resident_blocks=resident, peaks=peaks,
                           predicted_activations_GiB=self.predicted(total),
+                          predicted_peak_GiB=self.predicted_peaks(total, resident),
+                          allocator=allocator_note(self.devices),
                           helper_weights=mode.weights_reason, steps=dict(mode.steps))
             if "single_streamed_ms" in result:
                 result["speedup"] = round(result["single_streamed_ms"] / ms, 3)
@@ -215,17 +255,44 @@ class Bench:
         or (when the one-GPU step runs on the same prefetcher) the larger one-GPU peak."""
         if self.root.type != "cuda":
             return 1
-        block = self.model.blocks[0]
-        block_bytes = sum(p.numel() * p.element_size() for p in block.parameters())
-        other = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters()
-                    if not n.startswith("blocks."))
         root_peak = self.predicted_bytes(tokens)[0]
         if one_gpu_too:
-            root_peak = max(root_peak, block_sizing.block_peak_bytes(
-                tokens, self.dims(), kernels=block_sizing.Kernels(mlp="twin")).peak_bytes)
-        budget = EMULATED_BYTES - int(2.0 * GIB) - other - root_peak
+            root_peak = max(root_peak, self.single_activation_bytes(tokens))
+        budget = EMULATED_BYTES - EMULATION_MARGIN_BYTES - self.other_bytes() - root_peak
         return offload_sizing.resident_blocks_for_budget(
-            max(budget, 0), blocks=self.cfg.blocks, block_bytes=block_bytes, lookahead=2)
+            max(budget, 0), blocks=self.cfg.blocks, block_bytes=self.block_bytes(),
+            lookahead=LOOKAHEAD)
+
+    def block_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.blocks[0].parameters())
+
+    def other_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for n, p in self.model.named_parameters()
+                   if not n.startswith("blocks."))
+
+    def single_activation_bytes(self, tokens: int) -> int:
+        return block_sizing.block_peak_bytes(tokens, self.dims(),
+                                             kernels=block_sizing.Kernels(mlp="twin")).peak_bytes
+
+    def root_weight_bytes(self, resident: int) -> int:
+        streamed = self.cfg.blocks - resident
+        slots = offload_sizing.slot_count(LOOKAHEAD, streamed) if streamed else 0
+        return self.other_bytes() + (resident + slots) * self.block_bytes()
+
+    def predicted_peaks(self, tokens: int, resident: int) -> dict:
+        """The planner's whole-GPU peaks under the emulation: weights (the root's resident
+        blocks, slot ring and the rest of the DiT; the helper's K + 1 streamed slots) plus the
+        modelled activations (the model's inputs, < 0.3 GiB, are left out)."""
+        acts = self.predicted_bytes(tokens)
+        helper = sequence_sizing.helper_weight_bytes(self.block_bytes(), self.cfg.blocks,
+                                                     replica=False, lookahead=LOOKAHEAD)
+        weights = [self.root_weight_bytes(resident)] + [helper] * (len(acts) - 1)
+        return {str(d): round((w + a) / GIB, 2)
+                for d, w, a in zip(self.devices, weights, acts, strict=True)}
+
+    def predicted_single_peak(self, tokens: int, resident: int) -> float:
+        return round((self.root_weight_bytes(resident) + self.single_activation_bytes(tokens))
+                     / GIB, 2)
 
     def dims(self) -> block_sizing.BlockDims:
         cfg = self.cfg
@@ -260,6 +327,15 @@ class Bench:
                 torch.cuda.set_per_process_memory_fraction(1.0, d)
 
 
+def allocator_note(devices: tuple[torch.device, ...]) -> dict:
+    """The allocator settings the emulated rows ran with (expandable segments are needed)."""
+    note: dict = {ALLOC_CONF: os.environ.get(ALLOC_CONF)}
+    if any(d.type == "cuda" for d in devices):
+        segments = torch.cuda.memory_snapshot()
+        note["expandable_segments"] = any(seg.get("is_expandable") for seg in segments)
+    return note
+
+
 def same(a, b) -> bool:
     return bool(all(torch.equal(x, y) for x, y in zip(a, b, strict=True)))
 
@@ -276,6 +352,12 @@ def table(rows: list[dict]) -> str:
         speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
         peaks = ", ".join(f"{d} {v['activations_GiB']}/{r['predicted_activations_GiB'][d]}"
                           for d, v in r.get("peaks", {}).items())
+        if r.get("peaks") and "predicted_peak_GiB" in r:  # emulated: whole-GPU peaks
+            peaks += "; total " + ", ".join(f"{d} {v['peak_GiB']}/{r['predicted_peak_GiB'][d]}"
+                                           for d, v in r.get("peaks", {}).items())
+        if "single_predicted_peak_GiB" in r and r.get("single_peaks"):
+            root = next(iter(r["single_peaks"].values()))  # the one-GPU step: root only
+            peaks += f"; one GPU {root['peak_GiB']}/{r['single_predicted_peak_GiB']}"
         lines.append(f"| {r['row']} | {r['S']:,} | {one} | {dual} | {r['sequence_ms']} | "
                      f"{speed} | {r['bit_identical']} | {peaks or '-'} |")
     return "\n".join(lines)
