@@ -259,12 +259,16 @@ def _lowvram_budget(patcher, budget_bytes: int):
     A CPU load device is always loaded fully by `load_models_gpu`; this replaces, for this one
     patcher, the budget it passes to `LoadedModel.model_load` with the given one, so ComfyUI's
     own partial-load code (LowVramPatch weight functions, comfy_cast_weights) runs as it does
-    on a GPU short of memory. Models are unloaded on entry so the budget is not cumulative.
+    on a GPU short of memory. Models are unloaded on entry, on every device, so the budget is
+    not cumulative: ComfyUI's `unload_all_models` frees only its current device, and a model it
+    leaves loaded elsewhere (a DiT on cuda:1 while cuda:0 is current) would be partially loaded
+    again with this budget plus what it already held (more modules patched at load in fp32,
+    fewer LowVramPatch ones, which compute the LoRA in the weight's dtype).
     """
     comfy = import_comfyui()
     loaded_model_cls = comfy.model_management.LoadedModel
     original = loaded_model_cls.model_load
-    comfy.model_management.unload_all_models()
+    unload_all()
 
     def model_load(self, lowvram_model_memory=0, force_patch_weights=False):
         if self.model is patcher or self.model.is_clone(patcher):
@@ -408,6 +412,27 @@ def lowvram_patched_modules(patcher) -> int:
             if isinstance(fn, comfy.model_patcher.LowVramPatch):
                 count += 1
     return count
+
+
+@contextlib.contextmanager
+def recording_lowvram_patches():
+    """Record each call of ComfyUI's LowVramPatch (the lowvram LoRA, run by comfy.ops' cast on
+    each use): (weight key, the weight's device type, the weight it was given summed in
+    float64). The sum stays a tensor (no host sync inside the forward)."""
+    comfy = import_comfyui()
+    cls = comfy.model_patcher.LowVramPatch
+    original = cls.__call__
+    calls: list[tuple[str, str, torch.Tensor]] = []
+
+    def call(self, weight):
+        calls.append((self.key, weight.device.type, weight.detach().double().sum()))
+        return original(self, weight)
+
+    cls.__call__ = call
+    try:
+        yield calls
+    finally:
+        cls.__call__ = original
 
 
 # ---------------------------------------------------------------------------------------------
