@@ -205,7 +205,10 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
+    # as ComfyUI's executor runs every node: without it the decode records an autograd graph
+    # (the VAE's parameters require grad) and one 12-latent-frame warm-up held 136 GiB
+    with torch.inference_mode():
+        result = run(args)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

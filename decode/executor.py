@@ -114,7 +114,11 @@ class _HostWriter:
             if self.error is not None:
                 continue  # drain: the worker sees the error at its next put or at close
             try:
-                with device_context(self.device), on_streams(self.stream):
+                # a plain copy: ComfyUI decodes under inference mode, and its output (an
+                # inference tensor) accepts in-place writes only inside inference mode, which
+                # a new thread does not inherit
+                with torch.inference_mode(), device_context(self.device), \
+                        on_streams(self.stream):
                     wait(self.stream, ready)
                     self._write(frames, start)
                     if self.stream is not None:

@@ -61,8 +61,9 @@ class Link:
         if self._pinned and self._pinned[0].numel() >= nbytes:
             return
         pin = self.src.type == "cuda" or self.dst.type == "cuda"
-        self._pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-                        for _ in range(RELAY_SLOTS)]
+        with torch.inference_mode(False):  # reused in place by runs under either mode
+            self._pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                            for _ in range(RELAY_SLOTS)]
         self._pinned_free = [None] * RELAY_SLOTS
         self._next_slot = 0
 

@@ -103,6 +103,13 @@ class Workspace:
     def allocate(cls, key: WorkspaceKey, lane: Lane, *, grow: Workspace | None = None
                  ) -> Workspace:
         """Buffers for `key`, at least as large as `grow`'s (which the caller then releases)."""
+        # normal tensors even when the first call runs under ComfyUI's inference mode: the
+        # workspace is cached and written in place by later calls under either mode
+        with torch.inference_mode(False):
+            return cls._allocate(key, lane, grow)
+
+    @classmethod
+    def _allocate(cls, key: WorkspaceKey, lane: Lane, grow: Workspace | None) -> Workspace:
         send_elems, chunk_elems, slots = key.send_elems, key.chunk_elems, key.slots
         if grow is not None and grow.key.dtype == key.dtype:
             send_elems = max(send_elems, grow.send.numel())

@@ -35,7 +35,10 @@ def host_bytes(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     that no other allocation shares. Two registrations sharing a page would make the second
     one fail (the small heap allocations of a small block can share pages)."""
     page = mmap.PAGESIZE
-    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+    # a normal tensor even when allocated during ComfyUI's inference-mode execution: the
+    # staging worker thread (outside inference mode) and later runs write into it in place
+    with torch.inference_mode(False):
+        raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
     start = (-raw.data_ptr()) % page
     region = raw[start:start + -(-max(nbytes, 1) // page) * page]
     return region, region[:nbytes]
@@ -227,7 +230,9 @@ class StagingRing:
     def _fill(self, index: int, consumed: Any, source_u8: torch.Tensor) -> None:
         if consumed is not None:
             self.engine.host_wait(consumed)
-        self.buffers[index].flat[:source_u8.numel()].copy_(source_u8)
+        # a plain byte copy: inference mode lets it write a buffer made under either mode
+        with torch.inference_mode():
+            self.buffers[index].flat[:source_u8.numel()].copy_(source_u8)
 
     def take(self, block_id: str, source_u8: torch.Tensor) -> tuple[int, torch.Tensor]:
         """A buffer holding `block_id`'s bytes (filled now if it was not scheduled)."""

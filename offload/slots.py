@@ -17,8 +17,11 @@ class SlotRing:
     def __init__(self, count: int, nbytes: int, device: torch.device):
         # allocated once and kept for the streamer's life, so the caching allocator never hands
         # a slot's memory to another tensor while a copy or a kernel still uses it
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device)
-                        for _ in range(count)]
+        # normal tensors (not inference tensors) whatever mode the first run had: later runs
+        # write them in place under either mode
+        with torch.inference_mode(False):
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device)
+                            for _ in range(count)]
         self.holder: list[str | None] = [None] * count
         self.ready: list[Any] = [None] * count
         self.released: list[Any] = [None] * count

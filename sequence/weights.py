@@ -140,7 +140,9 @@ class HelperWeights:
                 flat = self.replica[i]
                 if flat is None or flat.numel() != weights.nbytes:
                     weights.forget_views()
-                    flat = torch.empty(weights.nbytes, dtype=torch.uint8, device=self.device)
+                    with torch.inference_mode(False):  # refilled in place under either mode
+                        flat = torch.empty(weights.nbytes, dtype=torch.uint8,
+                                           device=self.device)
                     self.replica[i] = flat
                 weights.copy_into(flat)
             if self.device.type == "cuda":

@@ -101,10 +101,20 @@ def test_comfyui_vae_decode_split_is_bit_identical(comfy, t, helpers, shares):
     assert report.same_tile_batches, report.tile_batches
 
 
+def test_comfyui_vae_decode_split_under_inference_mode(comfy):
+    """ComfyUI executes every node under inference mode: its preallocated output is then an
+    inference tensor, which the writer threads (started outside that mode) must still fill."""
+    with torch.inference_mode():
+        expected, out, patch = _run_split(comfy, 17, 2)
+    assert torch.equal(out, expected)
+    assert patch.split_calls == 1 and len(patch.last_report.devices) == 3
+
+
 @pytest.mark.multi_gpu
 def test_comfyui_vae_decode_split_on_gpus_is_bit_identical(comfy):
     assert torch.cuda.device_count() >= 2
-    expected, out, patch = _run_split(comfy, 22, 1)
+    with torch.inference_mode():  # as ComfyUI executes the node
+        expected, out, patch = _run_split(comfy, 22, 1)
     assert torch.equal(out, expected)
     assert any(d.startswith("cuda:1") for d in patch.last_report.devices)
 

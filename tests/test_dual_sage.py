@@ -462,3 +462,16 @@ def test_sage_node_and_dual_sage_compose_in_either_order(tiny_twin, tiny_inputs,
     assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])
     lines = patched.model_options["transformer_options"]["h3_multigpu"]
     assert "test_counting" in lines["dual_sage"] and "test_counting" in lines["attention"]
+
+
+@pytest.mark.parametrize("transport", [TransportMode.PEER, TransportMode.HOST])
+def test_workspace_made_under_inference_mode_serves_calls_outside_it(transport):
+    """ComfyUI executes nodes under inference mode; the cached workspace (and its pinned relay
+    slots) made by that first call is written in place by later calls under either mode."""
+    shard = ShardedAttention(fake_plan(4, 4), transport=transport, chunk_heads=2, ring_slots=2)
+    for seed, mode in enumerate([torch.inference_mode, torch.no_grad, torch.inference_mode]):
+        q, k, v = strided_qkv(seed=seed)
+        with mode():
+            out = shard(q, k, v, CountingAttend())
+        assert shard.last_route == "split" and torch.equal(out, reference(q, k, v))
+    assert shard.workspace_allocations == 1  # one workspace served all three

@@ -423,3 +423,25 @@ def test_the_plan_reaches_the_config_and_the_node_lines():
     assert plan_feature_strings(one)["sequence"].startswith("off: PASS1 off: one GPU")
     assert "parallel 'sometimes' is unknown" in check_options("sequence", parallel="sometimes")
     assert check_options("sequence", parallel="heads") is None
+
+
+@pytest.mark.parametrize("helper_weights", [REPLICA, STREAM])
+def test_buffers_made_under_inference_mode_serve_steps_outside_it(tiny_twin, tiny_inputs,
+                                                                   helper_weights):
+    """ComfyUI samples under inference mode. The relay slots, helper weights, the prefetcher's
+    host arena, staging ring and slots made in that first step are refilled in place by later
+    steps under either mode (and the staging worker thread starts outside inference mode)."""
+    from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
+
+    reference = TwinPatcher(tiny_twin).apply_model(*tiny_inputs)
+    block = sum(p.numel() * p.element_size() for p in tiny_twin.blocks[0].parameters())
+    # a pinned budget below the streamed blocks: some stream through the staging ring
+    prefetch = PrefetchConfig(resident_blocks=0, lookahead=1, pinned_budget_bytes=3 * block)
+    patched = on_cpu(apply_block_prefetch(TwinPatcher(tiny_twin), prefetch),
+                     helper_weights=helper_weights, lookahead=1, transport="host")
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with mode():
+            assert same(patched.apply_model(*tiny_inputs), reference)
+    assert get_sequence_parallel(patched).steps["sequence"] == 3
+    streamer = get_block_prefetch(patched).streamer
+    assert streamer.staging is not None and streamer.staging.fills > 0
