@@ -34,6 +34,7 @@ from h3_multigpu.dual_sage import (
     TransportMode,
     apply_dual_sage,
 )
+from h3_multigpu.dual_sage import sizing as dual_sage_sizing
 from h3_multigpu.dual_sage.apply import per_heads
 from h3_multigpu.kernels import list_backends
 from h3_multigpu.kernels.comfy_calling import backend_function
@@ -126,7 +127,8 @@ def bench_attention(args, root, helper, heads, head_dim, dtype, sizes) -> list[d
             attend = per_heads(function, {"skip_reshape": True})
             transports = [TransportMode.PEER, TransportMode.HOST] if backend == "comfyui" \
                 else [TransportMode.PEER]
-            variants = [(t, c) for t in transports for c in args.chunk_heads]
+            variants = [(t, c) for t in transports for c in args.chunk_heads or
+                        [dual_sage_sizing.chunk_heads_for(t is TransportMode.HOST)]]
             for transport, chunk_heads in variants:
                 shard = ShardedAttention(ShardPlan((root, helper), (heads // 2, heads // 2)),
                                          transport=transport, min_tokens=0,
@@ -264,7 +266,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-step", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--chunk-heads", type=lambda t: [int(x) for x in t.split(",")],
-                        default=[4], help="helper heads per transfer chunk, e.g. 4 or 2,4,7,14")
+                        default=None, help="helper heads per transfer chunk, e.g. 4 or "
+                        "2,4,7,14 (default: the pack's per transport: 14 peer, 4 host relay)")
     parser.add_argument("--backends", default="comfyui,ck_int8",
                         help="comfyui (ComfyUI's attention_pytorch, else the pack's sdpa) and "
                              "pack backends")

@@ -75,7 +75,7 @@ class DualSageConfig:
     backend: str = COMFYUI_FUNCTION
     min_tokens: int | None = None
     transport: TransportMode | str = TransportMode.AUTO
-    chunk_heads: int = sizing.DEFAULT_CHUNK_HEADS
+    chunk_heads: int | None = None  # None: by transport (sizing.chunk_heads_for)
     ring_slots: int = sizing.DEFAULT_RING_SLOTS
     exact_only: bool = True
     heads: int = 56  # used when the model does not say
@@ -93,7 +93,7 @@ class DualSageConfig:
                              f"{COMFYUI_FUNCTION!r} or one of {backend_names()}")
         if self.min_tokens is not None and self.min_tokens < 0:
             raise ValueError(f"min_tokens={self.min_tokens} must be >= 0 (or 'auto')")
-        if self.chunk_heads < 1 or self.ring_slots < 1:
+        if (self.chunk_heads is not None and self.chunk_heads < 1) or self.ring_slots < 1:
             raise ValueError(f"chunk_heads={self.chunk_heads} and ring_slots={self.ring_slots} "
                              "must be at least 1")
         if self.helpers is not None:
@@ -165,14 +165,15 @@ def build_sharded_attention(model_patcher: Any, config: DualSageConfig) -> Shard
     heads = _model_heads(_diffusion_model(model_patcher), config.heads)
     counts = parse_split(config.split, heads, 1 + len(helpers))
     plan = ShardPlan(devices=(root, *helpers), head_counts=counts)
+    mode = resolve(config.transport, root, helpers[0])
+    chunk_heads = config.chunk_heads or sizing.chunk_heads_for(mode is TransportMode.HOST)
     min_tokens = config.min_tokens
     if min_tokens is None:
-        mode = resolve(config.transport, root, helpers[0])
         min_tokens = sizing.choose_min_tokens(
             128, counts, link_gbps=DEFAULT_LINK_GBPS[mode], tflops=[DEFAULT_TFLOPS] * len(counts),
-            chunk_heads=config.chunk_heads, host_relay=mode is TransportMode.HOST)
+            chunk_heads=chunk_heads, host_relay=mode is TransportMode.HOST)
     return ShardedAttention(plan, transport=config.transport, min_tokens=min_tokens,
-                            chunk_heads=config.chunk_heads, ring_slots=config.ring_slots,
+                            chunk_heads=chunk_heads, ring_slots=config.ring_slots,
                             exact_range=ExactRange.load() if config.exact_only else None)
 
 

@@ -11,7 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-DEFAULT_CHUNK_HEADS = 4
+# heads per helper chunk, by transport (2x H200, ComfyUI's attention function, 35k-102k
+# tokens): through the host relay 4 is best (7: -3 to -6%); over peer copies 14 beats 4 by 2-3%
+# (each chunk is one call of ComfyUI's function: fewer calls save more than the overlap they
+# lose). Peer copies were measured on NVLink only; PCIe peer links are unmeasured.
+HOST_CHUNK_HEADS = 4
+PEER_CHUNK_HEADS = 14
+DEFAULT_CHUNK_HEADS = HOST_CHUNK_HEADS
+
+
+def chunk_heads_for(host_relay: bool) -> int:
+    """The default heads per helper chunk on this transport."""
+    return HOST_CHUNK_HEADS if host_relay else PEER_CHUNK_HEADS
+
+
 DEFAULT_RING_SLOTS = 3
 HOST_RELAY_SLOTS = 2
 # launch and event overhead of one sharded call (python + ~10 ops per chunk), measured order

@@ -505,7 +505,8 @@ def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1
             elif dual.enabled and is_helper:
                 share = dual.split[1 + helpers.index(index)]
                 resident = sizes.vae_bytes + sizes.upscaler_bytes
-                g.phases[label] = PhaseMemory(resident, 0, dual_sage_helper_workspace(s, share))
+                g.phases[label] = PhaseMemory(resident, 0, dual_sage_helper_workspace(
+                    s, share, host_relay=not profile.link.peer_access))
         gpus.append(g)
     return gpus
 

@@ -16,9 +16,12 @@ UPSCALER_LIVE_TENSORS = 3
 UPSCALER_SLAB_FRAMES = 8  # latent frames per temporal slab of the 3D convs
 
 
-def dual_sage_helper_workspace(tokens: int, helper_heads: int) -> int:
-    """Bytes a helper GPU holds for its attention share (Dual-Sage's ring of head chunks)."""
-    return dual_sage_sizing.helper_workspace_bytes(tokens, helper_heads, geometry.HEAD_DIM)
+def dual_sage_helper_workspace(tokens: int, helper_heads: int, host_relay: bool) -> int:
+    """Bytes a helper GPU holds for its attention share (Dual-Sage's ring of head chunks, whose
+    size follows the transport)."""
+    return dual_sage_sizing.helper_workspace_bytes(
+        tokens, helper_heads, geometry.HEAD_DIM,
+        chunk_heads=dual_sage_sizing.chunk_heads_for(host_relay))
 
 
 def upscale_workspace(pass1: geometry.PassGeometry, pass2: geometry.PassGeometry) -> int:

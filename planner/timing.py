@@ -58,8 +58,10 @@ def split_heads_by_throughput(gpus: list[GPUSpec], heads: int = geometry.HEADS) 
 def _link_args(link: LinkSpec) -> dict:
     # a host relay crosses the bus twice; dual_sage.sizing counts the two hops itself
     if link.peer_access:
-        return {"link_gbps": link.peer_gbs, "host_relay": False}
-    return {"link_gbps": link.host_pinned_gbs, "host_relay": True}
+        return {"link_gbps": link.peer_gbs, "host_relay": False,
+                "chunk_heads": dual_sage_sizing.chunk_heads_for(host_relay=False)}
+    return {"link_gbps": link.host_pinned_gbs, "host_relay": True,
+            "chunk_heads": dual_sage_sizing.chunk_heads_for(host_relay=True)}
 
 
 def dual_sage_attention_time_s(tokens: int, root: GPUSpec, helpers: list[GPUSpec],

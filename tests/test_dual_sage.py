@@ -475,3 +475,26 @@ def test_workspace_made_under_inference_mode_serves_calls_outside_it(transport):
             out = shard(q, k, v, CountingAttend())
         assert shard.last_route == "split" and torch.equal(out, reference(q, k, v))
     assert shard.workspace_allocations == 1  # one workspace served all three
+
+
+@pytest.mark.parametrize("transport,chunk_heads,expected", [
+    ("host", None, 4), ("peer", None, 14), ("peer", 2, 2), ("host", 7, 7)])
+def test_chunk_heads_follow_the_transport_unless_set(tiny_twin, tiny_inputs, transport,
+                                                     chunk_heads, expected):
+    """Measured on 2x H200: 14-head chunks are fastest over peer copies, 4 through the relay."""
+    options = {} if chunk_heads is None else {"chunk_heads": chunk_heads}
+    patched = apply_on_cpu(TwinPatcher(tiny_twin), transport=transport, **options)
+    shard = shard_of(patched)
+    assert shard.chunk_heads == expected
+    out = patched.apply_model(*tiny_inputs)
+    assert torch.equal(out[0], TwinPatcher(tiny_twin).apply_model(*tiny_inputs)[0])
+    assert shard.routes["split"] > 0
+
+
+def test_the_planner_sizes_the_helper_ring_by_its_link():
+    from h3_multigpu.planner.sizing import dual_sage_helper_workspace
+
+    peer = dual_sage_helper_workspace(68_706, 28, host_relay=False)
+    host = dual_sage_helper_workspace(68_706, 28, host_relay=True)
+    # 2 slots of 14 heads against 3 slots of 4 heads (q|k|v each) plus one chunk's output
+    assert peer > 2 * host
