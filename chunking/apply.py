@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..nodes.device_guard import guard_diffusion_model
+from ..guard.device import guard_diffusion_model
 from .block import ChunkedBlockForward, ChunkingReport, block_floors
 from .config import ChunkingConfig
 from .h3_ops import activation_adapter_ranks

@@ -23,7 +23,7 @@ import importlib
 import logging
 from typing import Any
 
-from .device_guard import guard_diffusion_model, guard_text_encoder, guard_vae
+from ..guard.device import guard_diffusion_model, guard_text_encoder, guard_vae
 from .devices import device_option
 
 log = logging.getLogger("h3_multigpu")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .device_guard import guard_diffusion_model
+from ..guard.device import guard_diffusion_model
 from .inputs import parse_auto_int, parse_bytes
 from .placement import Placement
 from .status import feature_lines

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
-from h3_multigpu.nodes import comfy_placement, device_guard, features
-from h3_multigpu.nodes.device_guard import (
+from h3_multigpu.guard import device as device_guard
+from h3_multigpu.guard.device import (
     DIFFUSION_MODEL,
     GUARD_KEY,
     OUTER_SAMPLE,
@@ -26,6 +26,7 @@ from h3_multigpu.nodes.device_guard import (
     guard_vae,
     has_device_guard,
 )
+from h3_multigpu.nodes import comfy_placement, features
 from h3_multigpu.nodes.features import apply_from_strings
 from h3_multigpu.twin import TwinPatcher
 
