@@ -58,6 +58,7 @@ class RowPlan:
     qkv_floor: int
     inexact: tuple[str, ...] = ()
     kept: tuple[str, ...] = ()
+    assumed: str = ""  # row chunks ran on a GPU whose floors are not measured (RowFloors)
 
     @property
     def chunks(self) -> tuple[int, int, int]:
@@ -83,22 +84,27 @@ class ChunkingReport:
                                                 config.head_group, floors)
         self.inexact: dict[str, None] = {}
         self.kept: dict[str, None] = {}
+        self.assumed = ""
         self.ran = False
         self.sinks: list[dict] = []
 
     def line(self) -> str:
         if not self.ran:
             return self.config.status(self.block_count, self.heads, note=self.apply_note)
-        return self.config.status(self.block_count, self.heads,
-                                  note=sizing.note_of(tuple(self.inexact)),
+        note = sizing.note_of(tuple(self.inexact))
+        if note == "exact" and self.assumed:
+            note = f"exact as assumed ({self.assumed})"
+        return self.config.status(self.block_count, self.heads, note=note,
                                   kept=tuple(self.kept))
 
     def record(self, plan: RowPlan) -> None:
         new = [r for r in plan.inexact if r not in self.inexact]
         kept = [k for k in plan.kept if k not in self.kept]
-        if self.ran and not new and not kept:
+        assumed = plan.assumed and not self.assumed
+        if self.ran and not new and not kept and not assumed:
             return
         self.ran = True
+        self.assumed = self.assumed or plan.assumed
         self.inexact.update(dict.fromkeys(new))
         self.kept.update(dict.fromkeys(kept))
         line = self.line()
@@ -224,9 +230,11 @@ class ChunkedBlockForward:
         inexact = [*sizing.row_reasons("ffn", values["ffn_chunk"], floors, tokens=tokens),
                    *sizing.row_reasons("qkv", values["qkv_chunk"], floors, tokens=tokens),
                    *sizing.head_reasons(values["head_group"], heads=heads, tokens=tokens)]
+        splits = any(values[f"{p}_chunk"] and len(sizing.row_chunks(
+            tokens, values[f"{p}_chunk"], floors.split_floor(p))) > 1 for p in ("ffn", "qkv"))
         return RowPlan(values["ffn_chunk"], values["qkv_chunk"], values["head_group"],
                        floors.split_floor("ffn"), floors.split_floor("qkv"), tuple(inexact),
-                       tuple(kept))
+                       tuple(kept), floors.assumed if splits else "")
 
     def linears(self) -> dict[str, torch.nn.Module]:
         attn, mlp = self.block.attn, self.block.mlp
@@ -382,11 +390,16 @@ def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtyp
     dtype_name = str(dtype).removeprefix("torch.")
     table = exact_rows.table_for(name, dtype_name)
     shapes = {key: linear_shape(module) for key, module in linears.items()}
-    gpu = device.type != "cpu"
+    gpu = name != exact_rows.CPU
     found = {phase: exact_rows.phase_floor(table, shapes, ranks, names,
                                            where=f"{name} {dtype_name}", gpu=gpu)
              for phase, names in exact_rows.PHASE_LINEARS.items()}
-    return sizing.RowFloors(found["qkv"][0], found["ffn"][0], found["qkv"][1], found["ffn"][1])
+    assumed = "" if table is not None or not gpu else (
+        f"{name} {dtype_name} is not in chunking/exact_rows.json: row chunks of >= "
+        f"{sizing.EXACT_MIN_ROWS:,} rows are taken as exact, as measured on other GPUs; "
+        "bench/sweep_chunk_exactness.py measures this one")
+    return sizing.RowFloors(found["qkv"][0], found["ffn"][0], found["qkv"][1], found["ffn"][1],
+                            assumed=assumed)
 
 
 def linear_shape(linear: torch.nn.Module) -> tuple[int, int]:

@@ -148,6 +148,9 @@ class RowFloors:
     ffn: int | None = 0
     qkv_why: str = ""
     ffn_why: str = ""
+    # set on a GPU model and dtype `exact_rows.json` does not list: its base floors are the
+    # EXACT_MIN_ROWS rule carried over from the measured GPUs, an assumption the status says
+    assumed: str = ""
 
     def known(self, phase: str) -> bool:
         return getattr(self, phase) is not None

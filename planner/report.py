@@ -40,7 +40,15 @@ def render_report(plan: Plan) -> str:
     ds, ch, pf = plan.dual_sage, plan.chunking, plan.prefetch
     place = ", ".join(f"{k} gpu:{v}" for k, v in plan.placement.items())
     lines += ["", "decisions:", f"  placement: {place}"]
-    if ds.enabled:
+    modes = {p.mode for p in plan.parallel.passes.values()} if plan.parallel else set()
+    if ds.enabled and modes == {"sequence"}:
+        # every pass runs sequence parallel: head sharding is configured but idle unless a
+        # step falls back to heads mode (short steps, a helper below its row floor)
+        split = "+".join(str(h) for h in ds.split)
+        lines.append(f"  Dual-Sage: standby, heads {split}, {ds.transport} transport -- both "
+                     "passes run sequence parallel (below); it shards only a step that falls "
+                     f"back to heads mode (alone it would give: {ds.reason})")
+    elif ds.enabled:
         split = "+".join(str(h) for h in ds.split)
         lines.append(f"  Dual-Sage: on, heads {split} (root gpu:{plan.root_device} first), "
                      f"{ds.transport} transport, min_tokens {ds.min_tokens:,} -- {ds.reason}")

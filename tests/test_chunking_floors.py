@@ -248,3 +248,32 @@ def test_an_adapter_injected_after_apply_is_found_at_run_time(fake_floors, tiny_
     assert len(said) == 1
     for hook in hooks:
         hook.eject()
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["unmeasured GPU", "measured GPU"])
+def test_a_gpu_without_measured_floors_is_exact_only_as_assumed(tiny_config, monkeypatch,
+                                                                listed):
+    """On a GPU model the table does not list, the base GEMMs' floors are the 4,096-row rule
+    carried over from the measured GPUs: the status says "exact as assumed" and names it."""
+    gpu = "AMD Radeon AI PRO R9700"
+    table = exact_rows.GemmTable(gpu, "bfloat16", {}, "fake (test)")
+    monkeypatch.setattr("h3_multigpu.chunking.block.device_name", lambda device: gpu)
+    monkeypatch.setattr(exact_rows, "table_for",
+                        lambda device, dtype: table if listed and device == gpu else None)
+    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    model = make_twin(tiny_config, dtype=BF16, seed=3)
+    inputs = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
+                         dtype=BF16)
+    reference = TwinPatcher(model).apply_model(*inputs)
+    patched = apply_activation_chunking(TwinPatcher(model), ChunkingConfig(ffn_chunk=8,
+                                                                           qkv_chunk=8))
+    rows = _rows_seen(model)
+    out = patched.apply_model(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(out, reference, strict=True))
+    assert len(rows["fc1"]) > 1  # the rows were split
+    line = _line(patched)
+    if listed:
+        assert line.endswith("; exact"), line
+    else:
+        assert f"exact as assumed ({gpu} bfloat16 is not in chunking/exact_rows.json" in line
+        assert "bench/sweep_chunk_exactness.py" in line

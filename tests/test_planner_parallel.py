@@ -72,3 +72,13 @@ def test_sequence_model_halves_activations_and_beats_dual_sage():
         assert one / seq > 1.9 and one / seq > one / heads and one / relay > 1.6
     # weighted rows follow throughput: the faster GPU gets more rows and heads
     assert sizing.split_counts(56, [1.0, 0.6]) == [35, 21]
+
+
+def test_report_calls_dual_sage_standby_when_every_pass_runs_sequence():
+    sequence = plan_job(PlanRequest(width=1312, height=736, seconds=10, profile="2xH200"))
+    assert {p.mode for p in sequence.parallel.passes.values()} == {"sequence"}
+    report = sequence.report()
+    assert "Dual-Sage: standby, heads 28+28" in report and "Dual-Sage: on" not in report
+    heads = plan_job(PlanRequest(width=1312, height=736, seconds=10, profile="2xH200",
+                                 parallel="heads")).report()
+    assert "Dual-Sage: on, heads 28+28" in heads and "standby" not in heads
