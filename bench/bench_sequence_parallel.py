@@ -184,7 +184,7 @@ class Bench:
         result = dict(row=row, S=tokens, S_with_text=total)
         result["single_ms"], single = self.reference(row, inputs)
         base = TwinPatcher(self.model, load_device=self.root)
-        if not relay:
+        if not relay and not self.args.skip_dual_sage:
             helpers = ("cpu",) if self.root.type == "cpu" else (str(self.helper),)
             dual = apply_dual_sage(base, DualSageConfig(helpers=helpers))
             ms, out, _ = self.step(dual, inputs, self.args.reps)
@@ -192,16 +192,26 @@ class Bench:
                           dual_sage_speedup=round(result["single_ms"] / ms, 3),
                           dual_sage_exact=same(out, single))
             del dual, out
-        patched = self.sequence(base, transport="host" if relay else self.args.transport)
-        ms, out, peaks = self.step(patched, inputs, self.args.reps)
-        mode = get_sequence_parallel(patched)
-        result.update(sequence_ms=round(ms, 1), sequence_times_ms=self.last_times,
-                      speedup=round(result["single_ms"] / ms, 3),
-                      bit_identical=same(out, single),
-                      transport=sorted(mode.runner.transports()) if mode.runner else None,
-                      steps=dict(mode.steps), peaks=peaks,
-                      predicted_activations_GiB=self.predicted(total))
-        mode.release()
+        transport = "host" if relay else self.args.transport
+        for k, chunk in enumerate(self.args.chunk_heads or [None]):
+            options = {} if chunk is None else {"chunk_heads": chunk}
+            patched = self.sequence(base, transport=transport, **options)
+            ms, out, peaks = self.step(patched, inputs, self.args.reps)
+            mode = get_sequence_parallel(patched)
+            timing = dict(chunk_heads=mode.split.chunk_heads, sequence_ms=round(ms, 1),
+                          sequence_times_ms=self.last_times,
+                          speedup=round(result["single_ms"] / ms, 3),
+                          bit_identical=same(out, single))
+            if k == 0:  # the row's figures; other chunk sizes are listed beside them
+                result.update(timing,
+                              transport=sorted(mode.runner.transports()) if mode.runner
+                              else None,
+                              steps=dict(mode.steps), peaks=peaks,
+                              predicted_activations_GiB=self.predicted(total))
+            else:
+                result.setdefault("other_chunk_heads", []).append(dict(timing, peaks=peaks))
+            mode.release()
+            del patched, out
         result["single_ms"] = round(result["single_ms"], 1)
         return result
 
@@ -360,6 +370,9 @@ def table(rows: list[dict]) -> str:
             peaks += f"; one GPU {root['peak_GiB']}/{r['single_predicted_peak_GiB']}"
         lines.append(f"| {r['row']} | {r['S']:,} | {one} | {dual} | {r['sequence_ms']} | "
                      f"{speed} | {r['bit_identical']} | {peaks or '-'} |")
+        for other in [r, *r.get("other_chunk_heads", [])] if "other_chunk_heads" in r else []:
+            lines.append(f"|   {other['chunk_heads']} heads/call | | | | {other['sequence_ms']} | "
+                         f"{other['speedup']:.2f}x | {other['bit_identical']} | |")
     return "\n".join(lines)
 
 
@@ -373,6 +386,11 @@ def main(argv=None) -> int:
     parser.add_argument("--transport", default="auto", choices=["auto", "peer", "host"])
     parser.add_argument("--no-verify-362", dest="verify_362", action="store_false")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny twin, fake devices")
+    parser.add_argument("--chunk-heads", type=lambda s: [int(x) for x in s.split(",")],
+                        default=None, help="plain rows: heads per attention call to compare, "
+                        "e.g. 4,7,14 (the first is the row's figure; default: the mode's)")
+    parser.add_argument("--skip-dual-sage", action="store_true",
+                        help="plain rows: leave out the Dual-Sage step")
     args = parser.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]

@@ -29,6 +29,11 @@ from .. import geometry
 from ..chunking import sizing as block_sizing
 from ..dual_sage import sizing as dual_sage_sizing
 
+# heads per attention call within a device's share (2x H200, full PASS2 steps, bit-identical
+# each way): 7 gave 1.93x / 1.90x at 68,706 / 35,305 tokens against 1.91x / 1.87x with 4 and
+# 1.93x / 1.88x with 14 (`docs/BENCHMARKS.md`); never below 4, where flash's exact range starts
+DEFAULT_CHUNK_HEADS = 7
+
 ELEMENTWISE_ELEMENTS_PER_TOKEN = 14 * geometry.HIDDEN + 4 * geometry.INNER + 3 * geometry.FFN
 # host time to queue one GPU's share of one block (launches, events, Python), order measured for
 # Dual-Sage's call (0.35 ms for ~10 ops per chunk); the block loop queues ~4x that per GPU
@@ -88,7 +93,7 @@ def split_counts(total: int, weights: Sequence[float]) -> list[int]:
 
 def sequence_block_ms(seq_len: int, gpus: Sequence[GPUSpeed], head_counts: Sequence[int],
                       link: LinkSpeed, *, row_weights: Sequence[float] | None = None,
-                      chunk_heads: int = 4, element_bytes: int = 2,
+                      chunk_heads: int = DEFAULT_CHUNK_HEADS, element_bytes: int = 2,
                       streamed_block_bytes: int = 0) -> float:
     """Predicted time of one block split over `gpus` (see the module docstring)."""
     n = len(gpus)
@@ -153,7 +158,8 @@ def sequence_memory(seq_len: int, head_counts: Sequence[int], *,
                     dims: block_sizing.BlockDims = block_sizing.BlockDims(),
                     adapters: block_sizing.Adapters = block_sizing.Adapters(),
                     kernels: block_sizing.Kernels = block_sizing.Kernels(),
-                    ffn_chunk: int = 0, chunk_heads: int = 4) -> list[DeviceMemory]:
+                    ffn_chunk: int = 0, chunk_heads: int = DEFAULT_CHUNK_HEADS
+                    ) -> list[DeviceMemory]:
     """Per-GPU activation bytes (root first) of the split block loop at `seq_len` tokens."""
     n = len(head_counts)
     rows = split_counts(seq_len, row_weights if row_weights is not None else [1.0] * n)

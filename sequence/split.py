@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from ..chunking.sizing import MIN_QUERY_TILES_PER_CALL
+from .sizing import DEFAULT_CHUNK_HEADS
 
 EXACT_MIN_ROWS_GPU = 4096  # smallest row share whose GEMMs matched the full-length run on H200
 # CPU stand-ins (tests): MKL takes small-M paths for a few rows (1-3 rows differed on AVX2)
 EXACT_MIN_ROWS_CPU = 16
-DEFAULT_CHUNK_HEADS = 4
 
 
 def split_by_weights(total: int, weights: Sequence[float]) -> tuple[int, ...]:

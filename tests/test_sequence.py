@@ -388,16 +388,20 @@ def test_bad_configs_are_refused_before_anything_runs(tiny_twin):
 
 def test_split_rows_heads_and_chunks():
     gpus = tuple(torch.device("cuda", i) for i in range(2))
-    split = SequenceSplit.even(gpus, 56)
+    default = SequenceSplit.even(gpus, 56)  # 7 heads per call: fastest measured on 2x H200
+    assert default.chunks_of(1, 68706) == ((28, 35), (35, 42), (42, 49), (49, 56))
+    split = SequenceSplit.even(gpus, 56, chunk_heads=4)
     assert split.head_counts == (28, 28) and split.chunks_of(1, 68706)[0] == (28, 32)
     assert len(split.chunks_of(0, 68706)) == 7
     assert split.rows_for(68706) == ((0, 34353), (34353, 68706))
     assert split.refusal(8191) is not None and split.refusal(8192) is None
     # short sequences: each call keeps >= 1024 (head, 64-row tile) work items (no split-KV)
     assert split.chunk_heads_for(15399) == 5 and split.chunk_heads_for(68706) == 4
-    eight = SequenceSplit.even(tuple(torch.device("cuda", i) for i in range(8)), 56)
+    eight = SequenceSplit.even(tuple(torch.device("cuda", i) for i in range(8)), 56,
+                               chunk_heads=4)
     assert eight.chunks_of(7, 102107) == ((49, 56),)  # 7 heads: one call, never 4 + 3
-    four = SequenceSplit.even(tuple(torch.device("cuda", i) for i in range(4)), 56)
+    four = SequenceSplit.even(tuple(torch.device("cuda", i) for i in range(4)), 56,
+                              chunk_heads=4)
     assert four.chunks_of(0, 68706) == ((0, 5), (5, 10), (10, 14))
     weighted = SequenceSplit.weighted(gpus, 56, [1.0, 0.6])
     assert weighted.head_counts == (35, 21) and weighted.rows_for(1600) == ((0, 1000),
