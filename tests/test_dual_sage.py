@@ -498,3 +498,20 @@ def test_the_planner_sizes_the_helper_ring_by_its_link():
     host = dual_sage_helper_workspace(68_706, 28, host_relay=True)
     # 2 slots of 14 heads against 3 slots of 4 heads (q|k|v each) plus one chunk's output
     assert peer > 2 * host
+
+
+@pytest.mark.parametrize("transport", ["peer", "host"])
+def test_four_devices_with_mixed_head_shares_are_bit_identical(transport):
+    """H3's 56 heads as 20:12:12:12 (root first) over a root and three helpers."""
+    from h3_multigpu.twin import TwinConfig, make_inputs, make_twin
+
+    cfg = TwinConfig.tiny(heads=56)
+    model = make_twin(cfg, seed=0)
+    inputs = make_inputs(cfg, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=1)
+    plain = TwinPatcher(model).apply_model(*inputs)
+    patched = apply_on_cpu(TwinPatcher(model), helpers=("cpu",) * 3, split="20:12:12:12",
+                           transport=transport)
+    out = patched.apply_model(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(out, plain, strict=True))
+    shard = shard_of(patched)
+    assert shard.plan.head_counts == (20, 12, 12, 12) and shard.routes["split"] > 0

@@ -449,3 +449,20 @@ def test_buffers_made_under_inference_mode_serve_steps_outside_it(tiny_twin, tin
     assert get_sequence_parallel(patched).steps["sequence"] == 3
     streamer = get_block_prefetch(patched).streamer
     assert streamer.staging is not None and streamer.staging.fills > 0
+
+
+@pytest.mark.parametrize("transport", ["peer", "host"])
+def test_four_devices_with_mixed_head_shares_are_bit_identical(transport):
+    """H3's 56 heads as 20:12:12:12 over a root and three helpers (weights 5:3:3:3, as for one
+    faster card): rows and heads follow the weights, the output is the one-device output."""
+    cfg = TwinConfig.tiny(heads=56)
+    model = make_twin(cfg, seed=0)
+    inputs = make_inputs(cfg, latent_t=5, latent_h=8, latent_w=10, audio_t=5, seed=1)
+    reference = TwinPatcher(model).apply_model(*inputs)
+    patched = on_cpu(TwinPatcher(model), 4, split="5:3:3:3", transport=transport)
+    assert same(patched.apply_model(*inputs), reference)
+    mode = get_sequence_parallel(patched)
+    assert mode.split.head_counts == (20, 12, 12, 12)
+    rows = [b - a for a, b in mode.split.rows_for(126)]
+    assert sum(rows) == 126 and rows[0] > max(rows[1:]) and min(rows) >= 16
+    assert mode.steps["sequence"] == 1 and mode.blocks_run == cfg.blocks
