@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from . import __version__
 
@@ -75,20 +76,21 @@ def _run_plan(args) -> int:
     if args.measure_link and args.profile not in (None, "auto"):
         raise ValueError(f"--measure-link measures this machine's GPUs, but --profile "
                          f"{args.profile} plans for built-in numbers; drop one of the two")
-    if args.gpus == "auto" or args.profile in (None, "auto"):
-        # no profile named: plan for the GPUs of this machine (a clear error when it has none)
-        profile = detect_hardware(measure_link=args.measure_link)
-    else:
-        profile = args.profile
+    detect = args.gpus == "auto" or args.profile in (None, "auto")
     seconds = args.seconds if args.seconds is not None else (None if args.frames else 5.0)
+    # the job's values are checked first: a bad value is named at once, before detecting the
+    # GPUs imports torch (seconds on a loaded machine)
     request = PlanRequest(width=args.width, height=args.height, seconds=seconds,
                           frames=args.frames, pass1_width=args.pass1[0],
-                          pass1_height=args.pass1[1], profile=profile,
+                          pass1_height=args.pass1[1], profile="auto" if detect else args.profile,
                           text_tokens=args.text_tokens, lora_rank=args.lora_rank,
                           dit_dtype=args.dit_dtype, dit_file=args.dit_file,
                           dual_sage=args.dual_sage, chunking=args.chunking,
                           parallel=args.parallel, resident_blocks=args.resident_blocks,
                           quantized_attention=args.quantized_attention)
+    if detect:
+        # no profile named: plan for the GPUs of this machine (a clear error when it has none)
+        request = replace(request, profile=detect_hardware(measure_link=args.measure_link))
     plan = plan_job(request)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))

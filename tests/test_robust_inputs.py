@@ -193,3 +193,18 @@ def test_chunk_sizes_that_chunk_nothing_are_not_reported_as_on():
     assert not config.active_with(56)
     partly = chunking.ChunkingConfig(ffn_chunk=10**12, qkv_chunk=4096).status(50, heads=56)
     assert partly.startswith("on") and "ffn off (" in partly and "qkv 4096 rows" in partly
+
+
+@pytest.mark.parametrize("extra,fragment", NASTY_PLAN_ARGVS[:9])
+def test_without_a_profile_bad_values_are_refused_before_the_gpus_are_probed(
+        extra, fragment, capsys, monkeypatch):
+    """No --profile means this machine's GPUs; probing them imports torch (seconds). A bad
+    value is named first, without probing."""
+    import h3_multigpu.planner as planner
+
+    probes = []
+    monkeypatch.setattr(planner, "detect_hardware", lambda **kw: probes.append(kw) or
+                        planner.PROFILES["2x3060"])
+    assert main(["plan", *extra]) == 2
+    assert fragment in capsys.readouterr().err and probes == []
+    assert main(["plan", "--seconds", "5"]) == 0 and len(probes) == 1  # a good job probes
