@@ -39,7 +39,7 @@ from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
 from . import sizing
 from .runner import SequenceRunner, SplitState, device_current
-from .split import DEFAULT_CHUNK_HEADS, SequenceSplit
+from .split import SequenceSplit
 from .weights import REPLICA, STREAM, HelperWeights, choose_mode
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class SequenceParallelConfig:
     split: "auto" (equal rows and heads) or relative throughputs "1.0:0.7" (root first).
     transport: "auto" (peer when possible), "peer" or "host" (pinned host relay).
     helper_weights: "auto" (a replica when it fits, else streamed), "replica" or "stream".
-    chunk_heads: heads per attention call (raised at short lengths, see `split.py`).
+    chunk_heads: heads per attention call; None: 7 over peer copies, 4 through the host relay
+        (`sizing.chunk_heads_for`), raised at short lengths (see `split.py`).
     min_rows: smallest row share (None: 4096 on GPUs, the measured exact range).
     keep_weights: keep the helpers' weights between sampling runs (faster, holds helper memory).
     gpu_speeds / link_gbps: the time model's inputs (the planner passes the profile's).
@@ -81,7 +82,7 @@ class SequenceParallelConfig:
     split: str = "auto"
     transport: TransportMode | str = TransportMode.AUTO
     helper_weights: str = "auto"
-    chunk_heads: int = DEFAULT_CHUNK_HEADS
+    chunk_heads: int | None = None  # None: by transport (sizing.chunk_heads_for)
     min_rows: int | None = None
     lookahead: int = 2
     keep_weights: bool = False
@@ -103,7 +104,7 @@ class SequenceParallelConfig:
         if self.helper_weights not in ("auto", REPLICA, STREAM):
             raise ValueError(f"helper_weights {self.helper_weights!r} is unknown; use 'auto', "
                              f"'{REPLICA}' or '{STREAM}'")
-        if self.chunk_heads < 1 or self.lookahead < 1:
+        if (self.chunk_heads is not None and self.chunk_heads < 1) or self.lookahead < 1:
             raise ValueError(f"chunk_heads={self.chunk_heads} and lookahead={self.lookahead} "
                              "must be >= 1")
         if self.min_rows is not None and self.min_rows < 1:
@@ -180,10 +181,11 @@ def _root_device(model_patcher: Any) -> torch.device:
     return root
 
 
-def build_split(devices: list[torch.device], heads: int, config: SequenceParallelConfig
-                ) -> SequenceSplit:
+def build_split(devices: list[torch.device], heads: int, config: SequenceParallelConfig,
+                host_relay: bool = False) -> SequenceSplit:
     text = config.split.strip().lower()
-    common = dict(chunk_heads=config.chunk_heads, min_rows=config.min_rows)
+    chunk_heads = config.chunk_heads or sizing.chunk_heads_for(host_relay)
+    common = dict(chunk_heads=chunk_heads, min_rows=config.min_rows)
     if text in ("auto", ""):
         if config.gpu_speeds is not None and len(set(config.gpu_speeds)) > 1:
             weights = [s.matmul_tflops for s in config.gpu_speeds]
@@ -232,9 +234,10 @@ class SequenceParallel:
         self.config = config
         self.blocks = list(diffusion_model.blocks)
         heads = getattr(getattr(self.blocks[0], "attn", None), "heads", config.heads)
-        self.split = build_split(devices, int(heads), config)
         self.transport = config.transport
         self.modes = {resolve(self.transport, devices[0], d).value for d in devices[1:]}
+        self.split = build_split(devices, int(heads), config,
+                                 host_relay=TransportMode.HOST.value in self.modes)
         self.runner: SequenceRunner | None = None
         self.helper_weights: dict[int, HelperWeights] = {}
         self.weights_reason = "decided at the first split step"

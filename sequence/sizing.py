@@ -30,9 +30,18 @@ from ..chunking import sizing as block_sizing
 from ..dual_sage import sizing as dual_sage_sizing
 
 # heads per attention call within a device's share (2x H200, full PASS2 steps, bit-identical
-# each way): 7 gave 1.93x / 1.90x at 68,706 / 35,305 tokens against 1.91x / 1.87x with 4 and
-# 1.93x / 1.88x with 14 (`docs/BENCHMARKS.md`); never below 4, where flash's exact range starts
-DEFAULT_CHUNK_HEADS = 7
+# each way; `docs/BENCHMARKS.md`). Over peer copies 7 gave 1.93x / 1.90x at 68,706 / 35,305
+# tokens against 1.91x / 1.87x with 4 and 1.93x / 1.88x with 14. Through the host relay 4 gave
+# 1.92x against 1.91x with 7 (larger chunks lengthen each relay hop, as for Dual-Sage). Never
+# below 4, where flash's exact range starts.
+PEER_CHUNK_HEADS = 7
+HOST_CHUNK_HEADS = 4
+DEFAULT_CHUNK_HEADS = PEER_CHUNK_HEADS
+
+
+def chunk_heads_for(host_relay: bool) -> int:
+    """The default heads per attention call on this transport."""
+    return HOST_CHUNK_HEADS if host_relay else PEER_CHUNK_HEADS
 
 ELEMENTWISE_ELEMENTS_PER_TOKEN = 14 * geometry.HIDDEN + 4 * geometry.INNER + 3 * geometry.FFN
 # host time to queue one GPU's share of one block (launches, events, Python), order measured for
@@ -93,7 +102,7 @@ def split_counts(total: int, weights: Sequence[float]) -> list[int]:
 
 def sequence_block_ms(seq_len: int, gpus: Sequence[GPUSpeed], head_counts: Sequence[int],
                       link: LinkSpeed, *, row_weights: Sequence[float] | None = None,
-                      chunk_heads: int = DEFAULT_CHUNK_HEADS, element_bytes: int = 2,
+                      chunk_heads: int | None = None, element_bytes: int = 2,
                       streamed_block_bytes: int = 0) -> float:
     """Predicted time of one block split over `gpus` (see the module docstring)."""
     n = len(gpus)
@@ -114,7 +123,7 @@ def sequence_block_ms(seq_len: int, gpus: Sequence[GPUSpeed], head_counts: Seque
             + (seq_len - rows[k]) * head_counts[k] * d * e
         # a relay's two hops run on different engines, piece after piece: the bus time counts once
         traffic.append(_bytes_ms(out, link.gbps))
-    g = min(chunk_heads, min(head_counts))
+    g = min(chunk_heads or chunk_heads_for(link.host_relay), min(head_counts))
     first = hops * _bytes_ms(max(rows) * 3 * g * d * e, link.gbps)
     last = hops * _bytes_ms(max(rows) * g * d * e, link.gbps)
     gpu_ms = max(row_work) + first + max(max(a, t) for a, t in zip(attend, traffic,

@@ -466,3 +466,15 @@ def test_four_devices_with_mixed_head_shares_are_bit_identical(transport):
     rows = [b - a for a, b in mode.split.rows_for(126)]
     assert sum(rows) == 126 and rows[0] > max(rows[1:]) and min(rows) >= 16
     assert mode.steps["sequence"] == 1 and mode.blocks_run == cfg.blocks
+
+
+@pytest.mark.parametrize("transport,chunk_heads,expected", [
+    ("peer", None, 7), ("host", None, 4), ("host", 2, 2), ("peer", 3, 3)])
+def test_heads_per_call_follow_the_transport_unless_set(tiny_twin, tiny_inputs, transport,
+                                                        chunk_heads, expected):
+    """Measured on 2x H200: 7 heads per call over peer copies, 4 through the relay."""
+    options = {} if chunk_heads is None else {"chunk_heads": chunk_heads}
+    patched = on_cpu(TwinPatcher(tiny_twin), transport=transport, **options)
+    mode = get_sequence_parallel(patched)
+    assert mode.split.chunk_heads == expected and mode.modes == {transport}
+    assert same(patched.apply_model(*tiny_inputs), TwinPatcher(tiny_twin).apply_model(*tiny_inputs))
