@@ -273,6 +273,13 @@ def _host_footprint(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
+def live_host() -> int:
+    """Host bytes of our live buffers, after a collection: buffers of earlier tests held in
+    reference cycles would otherwise be freed by whichever collection runs mid-test."""
+    gc.collect()
+    return live_host_bytes()[0]
+
+
 def test_runs_lora_changes_and_reloads_keep_memory_flat():
     base = make_tiny_h3(CFG, seed=0)
     inputs = make_inputs(CFG)
@@ -280,18 +287,18 @@ def test_runs_lora_changes_and_reloads_keep_memory_flat():
     lora_a = with_lora(plain, make_lora_state_dict(base, rank=4, seed=3))
     lora_b = with_lora(plain, make_lora_state_dict(base, rank=8, seed=5), strength=0.5)
     run_like_sampler(plain, inputs)
-    host, model_bytes = live_host_bytes()[0], _host_footprint(base.model)
+    host, model_bytes = live_host(), _host_footprint(base.model)
     for p in (plain, lora_a, lora_b, plain, lora_a, plain):
         run_like_sampler(p, inputs)
         run_like_sampler(p, inputs)  # two runs in a row
-    assert live_host_bytes()[0] == host
+    assert live_host() == host
     assert _host_footprint(base.model) == model_bytes and not plain.backup
     unload_all()  # ComfyUI unloads the model: slots go, the host copies stay the model's copy
     assert prefetch.streamer.slots is None
-    assert live_host_bytes()[0] == host and _host_footprint(base.model) == model_bytes
+    assert live_host() == host and _host_footprint(base.model) == model_bytes
     run_like_sampler(lora_b, inputs)
     unload_all()  # unloaded while patched: restored backups are taken into the host copies
-    assert live_host_bytes()[0] == host and _host_footprint(base.model) == model_bytes
+    assert live_host() == host and _host_footprint(base.model) == model_bytes
 
 
 def test_other_settings_take_over_the_host_copies_and_dropping_the_model_frees_them():
