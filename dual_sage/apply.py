@@ -81,12 +81,7 @@ class DualSageConfig:
     heads: int = 56  # used when the model does not say
 
     def __post_init__(self) -> None:
-        if isinstance(self.transport, str):
-            try:
-                self.transport = TransportMode(self.transport.strip().lower())
-            except ValueError:
-                raise ValueError(f"transport {self.transport!r} is unknown; use 'auto', 'peer' "
-                                 "or 'host'") from None
+        self.transport = TransportMode.parse(self.transport)
         self.backend = self.backend.strip()
         if self.backend != COMFYUI_FUNCTION and self.backend not in backend_names():
             raise ValueError(f"attention backend {self.backend!r} is unknown; use "

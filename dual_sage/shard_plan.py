@@ -14,16 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def _split_by_weights(total: int, weights: Sequence[float]) -> tuple[int, ...]:
-    """Largest-remainder rounding of `total` in proportion to `weights` (sums to `total`)."""
-    weight_sum = float(sum(weights))
-    exact = [total * w / weight_sum for w in weights]
-    counts = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], -i), reverse=True)
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return tuple(counts)
+from ..exchange.shares import split_by_weights
 
 
 def parse_split(text: str, heads: int, devices: int) -> tuple[int, ...]:
@@ -65,7 +56,7 @@ def split_weighted(heads: int, weights: Sequence[float]) -> tuple[int, ...]:
     if len(weights) > heads:
         raise ValueError(f"{len(weights)} devices for {heads} heads: every device needs at "
                          "least one head; use fewer helpers")
-    counts = list(_split_by_weights(heads, weights))
+    counts = list(split_by_weights(heads, weights))
     for i, c in enumerate(counts):  # take from the largest share so no device is left at zero
         if c == 0:
             donor = max(range(len(counts)), key=lambda j: counts[j])
@@ -111,7 +102,7 @@ class ShardPlan:
         """Per-device head counts for a call with `heads` heads (zeros allowed)."""
         if heads == self.heads:
             return self.head_counts
-        return _split_by_weights(heads, self.head_counts)
+        return split_by_weights(heads, self.head_counts)
 
     def ranges_for(self, heads: int) -> tuple[tuple[int, int], ...]:
         """Per-device [start, stop) head ranges for a call with `heads` heads."""

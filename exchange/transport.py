@@ -24,6 +24,17 @@ class TransportMode(enum.Enum):
     PEER = "peer"
     HOST = "host"
 
+    @classmethod
+    def parse(cls, value: TransportMode | str) -> TransportMode:
+        """A mode, or its name as a user writes it; ValueError naming the value otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            raise ValueError(f"transport {value!r} is unknown; use 'auto', 'peer' or "
+                             "'host'") from None
+
 
 def peer_access(root: torch.device, helper: torch.device) -> bool:
     """True when both GPUs can read each other's memory directly (NVLink or PCIe P2P)."""

@@ -95,12 +95,7 @@ class SequenceParallelConfig:
 
     def __post_init__(self) -> None:
         self.parallel = ParallelMode.parse(self.parallel)
-        if isinstance(self.transport, str):
-            try:
-                self.transport = TransportMode(self.transport.strip().lower())
-            except ValueError:
-                raise ValueError(f"transport {self.transport!r} is unknown; use 'auto', 'peer' "
-                                 "or 'host'") from None
+        self.transport = TransportMode.parse(self.transport)
         if self.helper_weights not in ("auto", REPLICA, STREAM):
             raise ValueError(f"helper_weights {self.helper_weights!r} is unknown; use 'auto', "
                              f"'{REPLICA}' or '{STREAM}'")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from .. import geometry
 from ..chunking import sizing as block_sizing
 from ..dual_sage import sizing as dual_sage_sizing
+from ..exchange import shares
 
 # heads per attention call within a device's share (2x H200, full PASS2 steps, bit-identical
 # each way; `docs/BENCHMARKS.md`). Over peer copies 7 gave 1.93x / 1.90x at 68,706 / 35,305
@@ -90,14 +91,8 @@ def one_gpu_block_ms(seq_len: int, gpu: GPUSpeed, *, element_bytes: int = 2) -> 
 
 
 def split_counts(total: int, weights: Sequence[float]) -> list[int]:
-    """Largest-remainder split (the same rounding `split.split_by_weights` uses)."""
-    weight_sum = float(sum(weights))
-    exact = [total * w / weight_sum for w in weights]
-    counts = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], -i), reverse=True)
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
+    """The rows or heads per device (`exchange.shares`, the rounding the runtime split uses)."""
+    return list(shares.split_by_weights(total, weights))
 
 
 def sequence_block_ms(seq_len: int, gpus: Sequence[GPUSpeed], head_counts: Sequence[int],

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..chunking.sizing import MIN_QUERY_TILES_PER_CALL
+from ..exchange import shares
 from .sizing import DEFAULT_CHUNK_HEADS
 
 EXACT_MIN_ROWS_GPU = 4096  # smallest row share whose GEMMs matched the full-length run on H200
@@ -35,13 +36,7 @@ def split_by_weights(total: int, weights: Sequence[float]) -> tuple[int, ...]:
     """Largest-remainder rounding of `total` in proportion to `weights` (sums to `total`)."""
     if not weights or any(w <= 0 for w in weights):
         raise ValueError(f"throughput weights {tuple(weights)} must all be > 0")
-    weight_sum = float(sum(weights))
-    exact = [total * w / weight_sum for w in weights]
-    counts = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], -i), reverse=True)
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return tuple(counts)
+    return shares.split_by_weights(total, weights)
 
 
 def ranges_of(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:

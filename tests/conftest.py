@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def fresh_comfyui():
+    """The in-process ComfyUI of COMFYUI_PATH (else skip), every model unloaded before and
+    after the test."""
+    from comfyui_h3 import import_comfyui_or_skip, unload_all
+
+    import_comfyui_or_skip()
+    unload_all()
+    yield
+    unload_all()
+
+
+@pytest.fixture
 def tiny_config() -> TwinConfig:
     return TwinConfig.tiny()
 

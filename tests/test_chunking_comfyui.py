@@ -27,7 +27,6 @@ from comfyui_h3 import (
     make_lora_state_dict,
     make_tiny_h3,
     run_like_sampler,
-    unload_all,
     with_bypass_lora,
     with_lora,
 )
@@ -36,7 +35,7 @@ from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizi
 from h3_multigpu.chunking.block import ChunkedBlockForward
 from h3_multigpu.chunking.h3_ops import H3Ops, activation_adapters
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +116,6 @@ CONFIG = TinyH3Config(heads=8)  # 8 heads of 128 dims (inner 1024) over hidden 2
 K_MAX = 1024
 FP32_REORDER_BOUND = 4 * K_MAX ** 0.5 * 2.0 ** -24 * 5 * CONFIG.blocks
 EXPLICIT = ChunkingConfig(ffn_chunk=13, qkv_chunk=17, head_group=3)  # nothing divides S or 8
-
-
-@pytest.fixture(autouse=True)
-def _fresh_comfyui():
-    import_comfyui_or_skip()
-    unload_all()
-    yield
-    unload_all()
 
 
 @pytest.fixture(scope="module")

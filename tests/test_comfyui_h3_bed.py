@@ -18,21 +18,12 @@ from comfyui_h3 import (
     make_tiny_h3,
     run_like_sampler,
     set_preferred_attention,
-    unload_all,
     with_lora,
 )
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
 CONFIGS = [TinyH3Config(adaln="curve"), TinyH3Config(adaln="full")]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_comfyui():
-    import_comfyui_or_skip()
-    unload_all()
-    yield
-    unload_all()
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:

@@ -34,19 +34,11 @@ from h3_multigpu.dual_sage import sharded as sharded_module
 from h3_multigpu.kernels import AttentionBackend, Constraints, mark_unavailable
 from h3_multigpu.kernels import register as register_backend
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
 CONFIG = TinyH3Config(heads=4, adaln="curve")  # 4 heads of 128: split 2:1:1 over 3 devices
 HELPERS = ("cpu", "cpu")
 SUBSETS = 3  # attention calls per split call: the root's heads and one chunk per helper
-
-
-@pytest.fixture(autouse=True)
-def _fresh_comfyui():
-    import_comfyui_or_skip()
-    unload_all()
-    yield
-    unload_all()
 
 
 def same(a, b) -> bool:

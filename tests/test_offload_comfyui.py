@@ -15,7 +15,6 @@ import pytest
 import torch
 from comfyui_h3 import (
     TinyH3Config,
-    import_comfyui_or_skip,
     lowvram_patched_modules,
     make_inputs,
     make_lora_state_dict,
@@ -30,21 +29,13 @@ from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_
 from h3_multigpu.offload.arena import HostArena, live_host_bytes
 from h3_multigpu.offload.weights import leaves_of
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
 CFG = TinyH3Config(blocks=6)
 STREAM = PrefetchConfig(resident_blocks=1, lookahead=2)
 DIT_STREAMED = [f"blocks.{i}" for i in range(1, 6)]
 REFINER = ["token_refiner.blocks.0", "token_refiner.blocks.1"]
 THREE_STEPS = (0.9, 0.6, 0.3, 0.0)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_comfyui():
-    import_comfyui_or_skip()
-    unload_all()
-    yield
-    unload_all()
 
 
 def same(a, b) -> bool:

@@ -14,7 +14,6 @@ import pytest
 import torch
 from comfyui_h3 import (
     TinyH3Config,
-    import_comfyui_or_skip,
     lowvram_patched_modules,
     make_inputs,
     make_lora_state_dict,
@@ -27,7 +26,8 @@ from comfyui_h3 import (
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
 from h3_multigpu.offload.arena import live_host_bytes
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.multi_gpu]
+pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.multi_gpu,
+              pytest.mark.usefixtures("fresh_comfyui")]
 
 # wide enough that block weights dominate memory (12 blocks of 34 MB bf16), quick to build
 CFG = TinyH3Config(hidden=1024, heads=8, ffn=4096, blocks=12, refiner_blocks=2, text_dim=256,
@@ -35,14 +35,6 @@ CFG = TinyH3Config(hidden=1024, heads=8, ffn=4096, blocks=12, refiner_blocks=2, 
 STREAM = PrefetchConfig(resident_blocks=2, lookahead=2)  # 10 + 2 refiner blocks stream
 ROOT = "cuda:1"
 SIGMAS = (0.9, 0.6, 0.3, 0.0)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_comfyui():
-    import_comfyui_or_skip()
-    unload_all()
-    yield
-    unload_all()
 
 
 def inputs(conditioned: bool = True):

@@ -13,13 +13,11 @@ import torch
 from comfyui_h3 import (
     AttentionCounter,
     TinyH3Config,
-    import_comfyui_or_skip,
     make_inputs,
     make_lora_state_dict,
     make_tiny_h3,
     run_like_sampler,
     set_preferred_attention,
-    unload_all,
     with_lora,
 )
 
@@ -35,14 +33,11 @@ CONFIGS = [TinyH3Config(adaln="curve"), TinyH3Config(adaln="full", heads=4)]
 
 
 @pytest.fixture(autouse=True)
-def _fresh_comfyui():
-    import_comfyui_or_skip()
-    unload_all()
+def _one_thread(fresh_comfyui):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU BLAS row splits are exact single-threaded (see test_sequence)
     yield
     torch.set_num_threads(threads)
-    unload_all()
 
 
 def _same(a, b) -> bool:
