@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +64,9 @@ class MultiGPUDecodeConfig:
             self.helpers = tuple(str(d) for d in self.helpers)
         if self.shares is not None:
             self.shares = tuple(float(s) for s in self.shares)
-            if any(not s > 0 for s in self.shares):
-                raise ValueError(f"decode shares {self.shares} must all be positive")
+            if any(not 0 < s < math.inf for s in self.shares):
+                raise ValueError(f"decode shares {self.shares} must all be positive and finite "
+                                 "(relative speeds, root first, e.g. (1.0, 0.7))")
 
     @classmethod
     def from_strings(cls, helpers: str = "auto", shares: str = "auto",

@@ -23,6 +23,7 @@ them so a VAE with other window sizes is followed, not assumed.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -179,7 +180,8 @@ def parse_weights(text: str, devices: int) -> tuple[float, ...] | None:
     if len(values) != devices:
         raise ValueError(f"decode shares {text!r} give {len(values)} values for {devices} "
                          f"devices (root first, then each helper)")
-    if any(not v > 0 for v in values):
-        raise ValueError(f"decode shares {text!r} must all be positive; leave a GPU out of "
-                         f"the device list instead of giving it 0")
+    if any(not 0 < v < math.inf for v in values):
+        raise ValueError(f"decode shares {text!r} must all be positive and finite; write "
+                         f"relative speeds like '1:0.7', and leave a GPU out of the device list "
+                         f"instead of giving it 0")
     return values

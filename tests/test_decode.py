@@ -282,3 +282,13 @@ def test_dropin_carries_out_the_plans_decode_decision():
         assert find_patch(patched) is not None and line.startswith("on: ")
     else:  # the plan's gpu:1 is not on this machine: said, nothing patched
         assert patched is vae and line.startswith("NOT ACTIVE: helper device cuda:1")
+
+
+@pytest.mark.parametrize("shares", ["inf:1", "1:inf", "1:0", "1:-2", "nan:1"])
+def test_shares_that_are_not_positive_finite_speeds_are_refused(shares):
+    """An infinite share divided a window's time by infinity (ZeroDivisionError mid-decode)."""
+    with pytest.raises(ValueError, match=f"decode shares '{shares}' must all be positive and "
+                                         "finite; write relative speeds like '1:0.7'"):
+        MultiGPUDecodeConfig.from_strings(helpers="gpu:0", shares=shares)
+    with pytest.raises(ValueError, match="must all be positive and finite"):
+        MultiGPUDecodeConfig(helpers=("cpu",), shares=tuple(float(s) for s in shares.split(":")))
