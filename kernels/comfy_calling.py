@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .registry import attention, get_backend
+from .registry import attention, get_backend, run_checked
 
 
 def to_bhsd(t: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
@@ -36,15 +36,19 @@ def backend_function(backend: str, fallback: Callable[..., Any] | None = None
     def backend_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                           skip_output_reshape=False, **kwargs):
         q4, k4, v4 = (to_bhsd(t, heads, skip_reshape) for t in (q, k, v))
-        if fallback is not None and (mask is not None or chosen.violations(q4, k4, v4)):
+        problems = chosen.violations(q4, k4, v4)
+        if fallback is not None and (mask is not None or problems):
             return fallback(q, k, v, heads, mask=mask, attn_precision=attn_precision,
                             skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
                             **kwargs)
         if mask is not None:
             raise ValueError(f"attention backend {chosen.name!r} takes no mask; give it a "
                              "fallback function for masked calls")
-        return attention(q4, k4, v4, backend=chosen.name, scale=kwargs.get("scale"),
-                         output="BHSD" if skip_output_reshape else "BSF")
+        output = "BHSD" if skip_output_reshape else "BSF"
+        if problems:  # no fallback: the registry's error names what this backend cannot do
+            return attention(q4, k4, v4, backend=chosen.name, scale=kwargs.get("scale"),
+                             output=output)
+        return run_checked(chosen, q4, k4, v4, scale=kwargs.get("scale"), output=output)
 
     backend_attention.backend = chosen
     return backend_attention

@@ -111,19 +111,20 @@ class SequenceParallelConfig:
 
 def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
     """The planner's choice as a config: devices, row weights, link and GPU rates."""
+    from ..planner.parallel import gpu_speed, link_speed  # the planner's own conversion
+
     parallel = plan.parallel
     profile = plan.profile
     order = [plan.root_device, *plan.helper_devices]
-    speeds = tuple(sizing.GPUSpeed(g.matmul_tflops, g.attention_tflops, g.memory_bandwidth_gbs)
-                   for g in (profile.gpus[i] for i in order))
-    link = profile.link
+    quantized = bool(getattr(plan.request, "quantized_attention", False))
+    speeds = tuple(gpu_speed(profile.gpus[i], quantized) for i in order)
+    link = link_speed(profile)
     values: dict[str, Any] = dict(
         parallel="auto" if parallel.requested in ("auto", "heads") else parallel.requested,
         helpers=tuple(f"cuda:{i}" for i in plan.helper_devices),
         split=":".join(f"{w:g}" for w in parallel.row_weights),
         transport=parallel.transport if parallel.transport in ("peer", "host") else "auto",
-        gpu_speeds=speeds, link_gbps=link.peer_gbs if link.peer_access else link.host_pinned_gbs,
-        host_gbps=link.host_pinned_gbs,
+        gpu_speeds=speeds, link_gbps=link.gbps, host_gbps=link.host_gbps,
         note="plan: " + ", ".join(f"{name.upper()} {p.mode} ({p.speedup:.2f}x predicted)"
                                   for name, p in parallel.passes.items()))
     values.update(overrides)

@@ -89,10 +89,8 @@ class SplitState:
 
 
 def tensor_version(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return None
+    # inference tensors keep no version counter (reading it raises)
+    return None if tensor.is_inference() else tensor._version
 
 
 @contextlib.contextmanager
@@ -231,9 +229,7 @@ class SequenceRunner:
         inner = heads * head_dim
         seq_len = state.h_SC.shape[0]
         n = len(self.devices)
-        chunks = [self.split.chunks_of(j, seq_len) for j in range(n)]
-        order = [(j, c) for r in range(max(len(cs) for cs in chunks))
-                 for j in range(n) for c in range(len(chunks[j])) if c == r]
+        chunks, order = self.split.attention_plan(seq_len)
         shares = state.shares
         state.gathered = False
 

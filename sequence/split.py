@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -141,6 +142,13 @@ class SequenceSplit:
         start, stop = self.head_ranges()[device_index]
         return head_chunks(start, stop, self.chunk_heads_for(seq_len))
 
+    def attention_plan(self, seq_len: int) -> tuple[tuple[tuple[tuple[int, int], ...], ...],
+                                                    tuple[tuple[int, int], ...]]:
+        """Every device's head chunks at this length, and the (device, chunk) order the block
+        issues them in (chunk rounds, devices in turn). The same for every block of a step:
+        cached."""
+        return _attention_plan(self, seq_len)
+
     def rows_for(self, seq_len: int) -> tuple[tuple[int, int], ...]:
         """Contiguous [a, b) row ranges per device for a sequence of `seq_len` rows."""
         return ranges_of(split_by_weights(seq_len, self.row_weights))
@@ -165,3 +173,11 @@ class SequenceSplit:
         heads = "+".join(str(c) for c in self.head_counts)
         return (f"{', '.join(str(d) for d in self.devices)}; rows by {rows}, heads {heads}, "
                 f"chunks of {self.chunk_heads}")
+
+
+@lru_cache(maxsize=64)
+def _attention_plan(split: SequenceSplit, seq_len: int):
+    chunks = tuple(split.chunks_of(j, seq_len) for j in range(len(split.devices)))
+    rounds = max(len(cs) for cs in chunks)
+    order = tuple((j, r) for r in range(rounds) for j in range(len(chunks)) if r < len(chunks[j]))
+    return chunks, order
