@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..exchange.streams import current_stream, new_stream, on_streams, record, wait
+from ..guard.device import device_context
 from .replica import make_replica
 from .windows import WindowLayout
 
@@ -74,11 +75,6 @@ class DecodeReport:
             text += "; " + "; ".join(f"{d} failed ({e}), its windows redone on the root"
                                      for d, e in self.failed.items())
         return text
-
-
-def device_context(device: torch.device):
-    """Make `device` current in this thread (comfy-kitchen kernels need it)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class _HostWriter:

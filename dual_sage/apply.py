@@ -36,6 +36,7 @@ import torch
 
 from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
+from ..guard.device import device_context
 from ..kernels import backend_names
 from ..kernels.comfy_calling import backend_function
 from . import sizing
@@ -331,9 +332,7 @@ def _root_current_wrapper(root: torch.device):
     def wrapper(executor, *args, **kwargs):
         # nests with any other device guard (the placement's): entering the same device twice
         # is harmless and each exit restores what was current before it
-        if root.type != "cuda":
-            return executor(*args, **kwargs)
-        with torch.cuda.device(root):
+        with device_context(root):
             return executor(*args, **kwargs)
 
     return wrapper

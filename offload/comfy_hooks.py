@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..guard.device import device_context
 from .apply import DIFFUSION_MODEL, PREPARE_SAMPLING, WRAPPER_KEY, BlockPrefetch
 
 ATTACHMENT = WRAPPER_KEY
@@ -94,17 +95,7 @@ def _invalidate(prefetch: BlockPrefetch) -> None:
 def _device_current(prefetch: BlockPrefetch):
     # ComfyUI's kernels (comfy-kitchen's RoPE, current_stream) use the current device: a DiT on
     # cuda:1 must run, and its blocks be prepared, with cuda:1 current
-    if prefetch.device.type == "cuda":
-        return torch.cuda.device(prefetch.device)
-    return _NullContext()
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    return device_context(prefetch.device)
 
 
 # ---------------------------------------------------------------------- running the blocks

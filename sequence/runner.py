@@ -47,6 +47,7 @@ from ..chunking.sizing import row_chunks
 from ..exchange.links import Link, keep_until_used
 from ..exchange.streams import current_stream, record, wait
 from ..exchange.transport import TransportMode
+from ..guard.device import device_context
 from .split import SequenceSplit
 from .weights import HelperWeights
 
@@ -93,14 +94,8 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version
 
 
-@contextlib.contextmanager
-def device_current(device: torch.device) -> Iterator[None]:
-    """ComfyUI's kernels and comfy-kitchen use the current device: make `device` current."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
+# ComfyUI's kernels and comfy-kitchen use the current device (a module name: tests book by it)
+device_current = device_context
 
 
 class SequenceRunner:

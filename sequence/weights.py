@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..guard.device import device_context
 from ..offload.arena import HostArena, HostBuffer
 from ..offload.engine import make_engine
 from ..offload.slots import SlotRing
@@ -135,7 +136,7 @@ class HelperWeights:
         return True
 
     def _fill_replica(self) -> None:
-        with _device_current(self.device):
+        with device_context(self.device):
             for i, weights in enumerate(self.weights):
                 flat = self.replica[i]
                 if flat is None or flat.numel() != weights.nbytes:
@@ -286,10 +287,3 @@ def choose_mode(requested: str, device: torch.device, weights_bytes: int, reserv
                     f"free beside {reserve_bytes / gib:.1f} GiB of activations: streamed")
 
 
-@contextlib.contextmanager
-def _device_current(device: torch.device) -> Iterator[None]:
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
