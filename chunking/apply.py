@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..guard.device import guard_diffusion_model
-from .block import ChunkedBlockForward, ChunkingReport, block_floors
+from .block import ChunkedBlockForward, ChunkingReport, block_floors, block_linears
 from .config import ChunkingConfig
 from .h3_ops import activation_adapter_ranks
 
@@ -85,12 +85,10 @@ def _apply_time_floors(patcher: Any, blocks: list[torch.nn.Module]):
     if not blocks:
         return sizing.RowFloors()
     first = blocks[0]
-    linears = {"qkv_proj": first.attn.qkv_proj, "out_proj": first.attn.out_proj,
-               "fc1": first.mlp.fc1, "fc2": first.mlp.fc2}
+    linears = block_linears(first)
     ranks: dict[str, tuple[int, ...]] = {name: () for name in linears}
     for block in blocks:
-        for name, module in (("qkv_proj", block.attn.qkv_proj), ("out_proj", block.attn.out_proj),
-                             ("fc1", block.mlp.fc1), ("fc2", block.mlp.fc2)):
+        for name, module in block_linears(block).items():
             ranks[name] = tuple(sorted({*ranks[name], *activation_adapter_ranks(module)}))
     device = torch.device(getattr(patcher, "load_device", None) or "cpu")
     weight = getattr(first.attn.qkv_proj, "weight", None)

@@ -237,9 +237,7 @@ class ChunkedBlockForward:
                        tuple(kept), floors.assumed if splits else "")
 
     def linears(self) -> dict[str, torch.nn.Module]:
-        attn, mlp = self.block.attn, self.block.mlp
-        return {"qkv_proj": attn.qkv_proj, "out_proj": attn.out_proj, "fc1": mlp.fc1,
-                "fc2": mlp.fc2}
+        return block_linears(self.block)
 
     def adapter_ranks(self) -> Ranks:
         return tuple((name, activation_adapter_ranks(module))
@@ -381,6 +379,13 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
     return device.type
+
+
+def block_linears(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """An H3 block's four big linears by the names `exact_rows` uses."""
+    attn, mlp = block.attn, block.mlp
+    return {"qkv_proj": attn.qkv_proj, "out_proj": attn.out_proj, "fc1": mlp.fc1,
+            "fc2": mlp.fc2}
 
 
 def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtype: torch.dtype,

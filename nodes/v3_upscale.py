@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..geometry import MAX_CANVAS_SIDE as SIZE_MAX
 from ..geometry import validate_canvas
 from .comfy_types import CATEGORY, LatentUpscaleModel
+from .status import CORE_UPSCALE as CORE_UPSCALE_NODE
 
 FOLDER = "latent_upscale_models"
-CORE_UPSCALE_NODE = "MiniMaxH3LatentUpscaleWithModel"
-SIZE_MAX = 16384
 
 
 class PackUpscaler:

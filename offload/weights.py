@@ -174,7 +174,7 @@ class BlockWeights:
         """Copy tensor `index` (just replaced by the loader) into its view in `flat_u8` and bind
         it there; False when its shape or dtype no longer match the layout (re-register)."""
         tensor = self.refs[index].current()
-        views = self.layout.views(flat_u8)[index]
+        views = self.views(flat_u8)[index]
         leaves = dict(leaves_of(tensor))
         if leaves.keys() != views.keys() or any(
                 leaves[f].dtype != v.dtype or leaves[f].shape != v.shape
@@ -182,7 +182,7 @@ class BlockWeights:
             return False
         for field, view in views.items():
             view.copy_(leaves[field])
-        _bind_leaves(tensor, self.views(flat_u8)[index])
+        _bind_leaves(tensor, views)
         self._bound[index] = weakref.ref(tensor)
         return True
 

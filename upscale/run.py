@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..geometry import SPATIAL_DOWNSCALE
 from .network import LATENT_MEAN, LATENT_STD, H3LatentUpscaler
 
-LATENT_SCALE = 16  # pixels per latent cell (H3's VAE: 16x16 spatial)
+LATENT_SCALE = SPATIAL_DOWNSCALE  # pixels per latent cell (H3's VAE: 16x16 spatial)
 
 
 def target_latent_size(width: int, height: int) -> tuple[int, int]:

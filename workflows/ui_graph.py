@@ -25,6 +25,7 @@ from typing import Any
 import wire_geometry as wires
 
 from h3_multigpu.client import editor
+from h3_multigpu.client.workflow import api_sort_key
 
 NOTE_TYPE = "MarkdownNote"  # editor-only: one text widget, never sent to the server
 SUBGRAPH_INPUT_ID = -10
@@ -548,8 +549,3 @@ class Workflow:
                 continue
             out[str(node.id)] = self._api_node(node, "")
         return dict(sorted(out.items(), key=lambda kv: api_sort_key(kv[0])))
-
-
-def api_sort_key(node_id: str) -> tuple[int, ...]:
-    """"12" < "12:3" < "12:10" < "13": the order both the generator and the client write."""
-    return tuple(int(part) for part in node_id.split(":"))
