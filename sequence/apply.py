@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -698,14 +697,3 @@ def get_sequence_parallel(model_patcher: Any) -> SequenceParallel | None:
                 return mode
             patch = getattr(patch, "h3_multigpu_previous", None)
     return None
-
-
-def predicted_speedup(seq_len: int, config: SequenceParallelConfig, devices: int,
-                      heads: int = 56) -> float:
-    """One GPU's block time over the sequence mode's (for status lines and reports)."""
-    speeds = list(config.gpu_speeds or [sizing.GPUSpeed()] * devices)
-    counts = sizing.split_counts(heads, [1.0] * devices)
-    link = sizing.LinkSpeed(gbps=config.link_gbps or DEFAULT_LINK[TransportMode.PEER])
-    one = sizing.one_gpu_block_ms(seq_len, speeds[0])
-    seq = sizing.sequence_block_ms(seq_len, speeds, counts, link)
-    return one / seq if seq > 0 and math.isfinite(seq) else 0.0

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,8 +80,6 @@ class SplitState:
     inputs: tuple[int, int, int]  # ids of (t_emb, rope_freqs, mod_segments) it was built for
     version: int | None = None
     gathered: bool = False
-    blocks: int = 0
-    extra: dict = field(default_factory=dict)
 
     def owns(self, h_SC: torch.Tensor, t_emb: Any, rope: Any, segments: Any) -> bool:
         """True when `h_SC` is the tensor this state returned, untouched since."""
@@ -107,7 +105,6 @@ class SequenceRunner:
         self.transport = transport
         self.helper_weights = helper_weights  # device index (>= 1) -> its weights
         self.links: dict[tuple[int, int], Link] = {}
-        self.blocks_run = 0
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
@@ -350,8 +347,6 @@ class SequenceRunner:
                 with device_current(share.device):
                     self.helper_weights[k].end(index)
         state.version = tensor_version(state.h_SC)
-        state.blocks += 1
-        self.blocks_run += 1
 
     @staticmethod
     def _attend(ops: H3Ops, attn: torch.nn.Module, buf_S3gD: torch.Tensor, g: int,

@@ -168,12 +168,6 @@ class SequenceSplit:
                     f"{low:,}{cause} may change the GEMM kernel (not bit-identical)")
         return None
 
-    def describe(self) -> str:
-        rows = ":".join(f"{w:g}" for w in self.row_weights)
-        heads = "+".join(str(c) for c in self.head_counts)
-        return (f"{', '.join(str(d) for d in self.devices)}; rows by {rows}, heads {heads}, "
-                f"chunks of {self.chunk_heads}")
-
 
 @lru_cache(maxsize=64)
 def _attention_plan(split: SequenceSplit, seq_len: int):
