@@ -143,8 +143,8 @@ def validate_devices(root: torch.device, helpers: Sequence[torch.device]) -> Non
     for device in helpers:
         if device.type == "cpu":
             if root.type != "cpu":
-                raise ValueError(f"helper device {device} is the CPU; Dual-Sage helpers must be "
-                                 "GPUs (the CPU stands in for GPUs only in tests)")
+                raise ValueError(f"helper device {device} is the CPU; helpers must be GPUs "
+                                 "(the CPU stands in for GPUs only in tests)")
             continue
         if device.type != "cuda":
             raise ValueError(f"helper device {device} is not a CUDA/ROCm GPU; use 'gpu:N'")

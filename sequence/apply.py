@@ -34,6 +34,7 @@ import torch
 from ..chunking import exact_rows
 from ..chunking.block import device_name, linear_shape
 from ..chunking.h3_ops import H3Ops, activation_adapter_ranks
+from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
 from . import sizing
@@ -130,42 +131,18 @@ def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
     return SequenceParallelConfig(**values)
 
 
-def _parse_devices(names: tuple[str, ...]) -> list[torch.device]:
-    out = []
-    for name in names:
-        text = name.strip().lower().replace("gpu:", "cuda:")
-        try:
-            device = torch.device(f"cuda:{text}" if text.isdigit() else text)
-        except RuntimeError:
-            raise ValueError(f"helper device {name!r} is not a device; write 'gpu:0'") from None
-        if device.type == "cuda" and device.index is None:
-            raise ValueError(f"helper device {name!r} needs an index, e.g. 'gpu:0'")
-        out.append(device)
-    return out
-
-
 def resolve_devices(root: torch.device, helpers: tuple[str, ...] | None) -> list[torch.device]:
     """Root first, then the helpers; ValueError for an unknown or repeated GPU."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if helpers is None:
         found = [torch.device("cuda", i) for i in range(count)
                  if root.type != "cuda" or i != root.index]
-    else:
-        found = _parse_devices(helpers)
+    else:  # the parsing and checks Dual-Sage and the decode use
+        found = list(parse_devices(",".join(helpers)) or ())
     if not found:
         raise ValueError(f"sequence parallel needs a helper GPU besides the root {root}; none "
                          "is visible (set helpers, or parallel 'off')")
-    for device in found:
-        if device.type == "cpu" and root.type == "cpu":
-            continue  # CPU stand-ins: tests only
-        if device.type != "cuda":
-            raise ValueError(f"helper device {device} is not a GPU; use 'gpu:N'")
-        if device.index >= count:
-            raise ValueError(f"helper device {device} does not exist: this machine has {count} "
-                             f"GPU(s)")
-        if device == root:
-            raise ValueError(f"helper device {device} is the root GPU running the model; pick "
-                             "another GPU")
+    validate_devices(root, found)
     return [root, *found]
 
 
