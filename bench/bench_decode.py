@@ -11,7 +11,7 @@ the windows per GPU, the boundary pieces handed over, the decoder copy's time an
 window decoded with the same tile batches. Target: >= 1.8x, bit-identical, peaks within 10%.
 
     COMFYUI_PATH=/path/to/ComfyUI python bench/bench_decode.py --out $OUT/decode.json
-    COMFYUI_PATH=/work/testbed/ComfyUI python bench/bench_decode.py --dry-run   # tiny, CPU
+    COMFYUI_PATH=/path/to/ComfyUI python bench/bench_decode.py --dry-run   # tiny, CPU
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The pack inside a real ComfyUI (CPU): registered nodes, their schemas, a weightless run.
 
-    COMFYUI_PATH=/work/comfyui COMFYUI_PYTHON=/work/comfyui-venv/bin/python \
+    COMFYUI_PATH=/path/to/ComfyUI COMFYUI_PYTHON=/path/to/comfyui-venv/bin/python \
         python -m pytest -q -m comfyui -o addopts="--strict-markers" tests/test_nodes*.py
 """
 
