@@ -160,7 +160,7 @@ class BlockWeights:
         """Point every tensor of the block at its view in `flat_u8`."""
         for index, (tensor, views) in enumerate(zip(self.tensors(), self.views(flat_u8),
                                                     strict=True)):
-            _bind_leaves(tensor, views)
+            bind_leaves(tensor, views)
             self._bound[index] = weakref.ref(tensor)
 
     def ref_index(self, owner: torch.nn.Module, name: str) -> int | None:
@@ -182,7 +182,7 @@ class BlockWeights:
             return False
         for field, view in views.items():
             view.copy_(leaves[field])
-        _bind_leaves(tensor, views)
+        bind_leaves(tensor, views)
         self._bound[index] = weakref.ref(tensor)
         return True
 
@@ -208,7 +208,7 @@ class BlockWeights:
         self.detach_replaced(flat_u8)
         for tensor in self.tensors():
             if aliases(tensor, flat_u8):
-                _bind_leaves(tensor, {f: leaf.to(device, copy=True)
+                bind_leaves(tensor, {f: leaf.to(device, copy=True)
                                       for f, leaf in leaves_of(tensor)})
         self._bound = [None] * len(self.refs)
 
@@ -239,10 +239,11 @@ def aliases(tensor: torch.Tensor, flat_u8: torch.Tensor) -> bool:
 
 def give_private_storage(tensor: torch.Tensor) -> None:
     """Copy `tensor`'s leaves into storage of its own, in place (same object, same device)."""
-    _bind_leaves(tensor, {field: leaf.clone() for field, leaf in leaves_of(tensor)})
+    bind_leaves(tensor, {field: leaf.clone() for field, leaf in leaves_of(tensor)})
 
 
-def _bind_leaves(tensor: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+def bind_leaves(tensor: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+    """Point `tensor` (plain or quantized) at `views`, one per leaf field."""
     if is_quantized(tensor):
         fields = {f: v for f, v in views.items() if f != QDATA}
         tensor._qdata = views[QDATA]

@@ -24,7 +24,6 @@ block. `close()` frees every buffer.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +33,7 @@ from ..guard.device import device_context
 from ..offload.arena import HostArena, HostBuffer
 from ..offload.engine import make_engine
 from ..offload.slots import SlotRing
-from ..offload.weights import QDATA, BlockWeights, is_quantized, leaves_of
+from ..offload.weights import BlockWeights, bind_leaves, is_quantized, leaves_of
 
 REPLICA = "replica"
 STREAM = "stream"
@@ -46,12 +45,9 @@ def bind_saving(tensors: list[torch.Tensor], views: list[dict[str, torch.Tensor]
     for tensor, fields in zip(tensors, views, strict=True):
         if is_quantized(tensor):
             saved.append((tensor, tensor._qdata, tensor._params))
-            tensor._qdata = fields[QDATA]
-            tensor._params = dataclasses.replace(
-                tensor._params, **{f: v for f, v in fields.items() if f != QDATA})
         else:
             saved.append((tensor, tensor.data, None))
-            tensor.data = fields["plain"]
+        bind_leaves(tensor, fields)
     return saved
 
 
