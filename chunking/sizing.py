@@ -264,6 +264,12 @@ class Adapters:
     out_proj: int = 0
     fc2: int = 0
 
+    @classmethod
+    def turbo_lora(cls, rank: int) -> Adapters:
+        """What the planner assumes: one on-activation LoRA of `rank` on qkv_proj and fc1
+        (the turbo LoRA's targets); none for rank 0."""
+        return cls(rank=rank, qkv=1, fc1=1) if rank else cls()
+
 
 @dataclass(frozen=True)
 class Kernels:

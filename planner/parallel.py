@@ -106,8 +106,7 @@ def _one_pass(requested, name, s, gpus, weights, heads, profile, single_s, heads
     if min(shares) < EXACT_MIN_ROWS:
         refusal = (f"{s:,} tokens give a GPU {min(shares):,} rows, below the exact range "
                    f"({EXACT_MIN_ROWS:,})")
-    adapters = (sequence_sizing.block_sizing.Adapters(rank=lora_rank, qkv=1, fc1=1)
-                if lora_rank else sequence_sizing.block_sizing.Adapters())
+    adapters = sequence_sizing.block_sizing.Adapters.turbo_lora(lora_rank)
     kernels = sequence_sizing.block_sizing.Kernels(mlp="comfy" if fused_swiglu else "twin")
     memory = sequence_sizing.sequence_memory(s, heads, row_weights=weights, adapters=adapters,
                                              kernels=kernels, ffn_chunk=ffn_chunk)

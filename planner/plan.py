@@ -414,8 +414,7 @@ def _chunk_note(request: PlanRequest, dims: BlockDims, chunks: ChunkSettings) ->
     """'exact', or why not: the measured row floors of the on-activation LoRA's GEMMs."""
     from ..chunking import sizing as block_sizing
 
-    adapters = (block_sizing.Adapters(rank=request.lora_rank, qkv=1, fc1=1)
-                if request.lora_rank else block_sizing.Adapters())
+    adapters = block_sizing.Adapters.turbo_lora(request.lora_rank)
     floors = block_sizing.planned_floors(dims, adapters)
     return block_sizing.exactness_note(chunks.ffn_chunk, chunks.qkv_chunk, chunks.head_group,
                                        floors)
