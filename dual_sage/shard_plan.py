@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..exchange.shares import split_by_weights
+from ..exchange.shares import heads_by_weights, split_by_weights
 
 
 def parse_split(text: str, heads: int, devices: int) -> tuple[int, ...]:
@@ -53,16 +53,7 @@ def parse_split(text: str, heads: int, devices: int) -> tuple[int, ...]:
 
 def split_weighted(heads: int, weights: Sequence[float]) -> tuple[int, ...]:
     """Head counts proportional to device throughputs, each device at least one head."""
-    if len(weights) > heads:
-        raise ValueError(f"{len(weights)} devices for {heads} heads: every device needs at "
-                         "least one head; use fewer helpers")
-    counts = list(split_by_weights(heads, weights))
-    for i, c in enumerate(counts):  # take from the largest share so no device is left at zero
-        if c == 0:
-            donor = max(range(len(counts)), key=lambda j: counts[j])
-            counts[donor] -= 1
-            counts[i] = 1
-    return tuple(counts)
+    return heads_by_weights(heads, weights)
 
 
 @dataclass(frozen=True)

@@ -20,3 +20,18 @@ def split_by_weights(total: int, weights: Sequence[float]) -> tuple[int, ...]:
     for i in order[: total - sum(counts)]:
         counts[i] += 1
     return tuple(counts)
+
+
+def heads_by_weights(heads: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """Head counts proportional to `weights`, every device at least one head (taken from the
+    largest share)."""
+    if len(weights) > heads:
+        raise ValueError(f"{len(weights)} devices for {heads} heads: every device needs at "
+                         "least one head; use fewer GPUs")
+    counts = list(split_by_weights(heads, weights))
+    for i, c in enumerate(counts):
+        if c == 0:
+            donor = max(range(len(counts)), key=lambda j: counts[j])
+            counts[donor] -= 1
+            counts[i] = 1
+    return tuple(counts)

@@ -35,9 +35,13 @@ EXACT_MIN_ROWS_CPU = 16
 
 def split_by_weights(total: int, weights: Sequence[float]) -> tuple[int, ...]:
     """Largest-remainder rounding of `total` in proportion to `weights` (sums to `total`)."""
+    _check_weights(weights)
+    return shares.split_by_weights(total, weights)
+
+
+def _check_weights(weights: Sequence[float]) -> None:
     if not weights or any(w <= 0 for w in weights):
         raise ValueError(f"throughput weights {tuple(weights)} must all be > 0")
-    return shares.split_by_weights(total, weights)
 
 
 def ranges_of(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -98,15 +102,9 @@ class SequenceSplit:
     def weighted(cls, devices: Sequence[torch.device], heads: int, weights: Sequence[float],
                  **kwargs) -> SequenceSplit:
         """Rows and heads both in proportion to `weights` (each device at least one head)."""
-        if len(weights) > heads:
-            raise ValueError(f"{len(weights)} devices for {heads} heads: use fewer GPUs")
-        counts = list(split_by_weights(heads, weights))
-        for i, c in enumerate(counts):  # no device without heads: take from the largest share
-            if c == 0:
-                donor = max(range(len(counts)), key=lambda j: counts[j])
-                counts[donor] -= 1
-                counts[i] = 1
-        return cls(tuple(devices), tuple(float(w) for w in weights), tuple(counts), **kwargs)
+        _check_weights(weights)
+        counts = shares.heads_by_weights(heads, weights)
+        return cls(tuple(devices), tuple(float(w) for w in weights), counts, **kwargs)
 
     # ------------------------------------------------------------------ derived
     @property
