@@ -20,16 +20,20 @@ is imported (that import raises RuntimeError on a GPU-less machine otherwise).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
+from h3_checkpoints import DiTShape, write_dit
 
 _IMPORT_ERROR: str | None = None
 _COMFY: ModuleType | None = None
@@ -121,10 +125,19 @@ class TinyH3Config:
     adaln: str = "curve"
     curve_grid: int = 33
     dtype: torch.dtype = torch.float32
+    weights: str = "float"   # "float": stored in `dtype`; "int8_convrot": the official DiT format
 
     def __post_init__(self):
         if self.adaln not in ("curve", "full"):
             raise ValueError(f"adaln={self.adaln!r}: use 'curve' (pruned) or 'full'")
+        if self.weights not in ("float", "int8_convrot"):
+            raise ValueError(f"weights={self.weights!r}: use 'float' or 'int8_convrot'")
+
+    def file_format(self) -> str:
+        """The checkpoint format (tests/h3_checkpoints.py) these weights are stored in."""
+        if self.weights == "int8_convrot":
+            return "int8_convrot"
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
     def unet_config(self) -> dict[str, Any]:
         return {
@@ -142,51 +155,70 @@ class TinyH3Config:
         }
 
 
-def _random_state_dict(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights of a sensible scale for every parameter and buffer of the DiT."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, tensor in sorted(model.state_dict().items()):
-        shape, dtype = tuple(tensor.shape), tensor.dtype
-        if name.endswith("inv_freq"):
-            value = 1.0 / (10000.0 ** (torch.arange(shape[0], dtype=torch.float64) / shape[0]))
-        elif "norm" in name and name.endswith("weight"):
-            value = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        elif name.endswith("bias"):
-            value = 0.02 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        elif name.endswith("adaln_t_table"):
-            value = 0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        elif len(shape) >= 2:
-            value = torch.randn(shape, generator=gen, dtype=torch.float64) / shape[-1] ** 0.5
-        else:
-            value = 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        out[name] = value.to(dtype)
-    return out
+def checkpoint_shape(config: TinyH3Config) -> DiTShape:
+    """The checkpoint dimensions of a tiny config (what ComfyUI's detection reads back)."""
+    return DiTShape(hidden=config.hidden, heads=config.heads, head_dim=config.head_dim,
+                    ffn=config.ffn, blocks=config.blocks, refiner_blocks=config.refiner_blocks,
+                    text_dim=config.text_dim, time_embed_dim=config.time_embed_dim,
+                    curve_grid=config.curve_grid if config.adaln == "curve" else None,
+                    time_embed_hidden=config.hidden)
+
+
+_CHECKPOINT_DIR: str | None = None
+
+
+def tiny_checkpoint(config: TinyH3Config = TinyH3Config(), *, seed: int = 0) -> str:
+    """The path of a seeded tiny DiT file in the config's weight format (written once per
+    process, into a temporary folder removed at exit)."""
+    global _CHECKPOINT_DIR
+    if _CHECKPOINT_DIR is None:
+        _CHECKPOINT_DIR = tempfile.mkdtemp(prefix="h3_checkpoints_")
+        atexit.register(shutil.rmtree, _CHECKPOINT_DIR, True)
+    fmt = config.file_format()
+    shape = checkpoint_shape(config)
+    name = f"dit_{fmt}_{seed}_{abs(hash(shape)):x}.safetensors"
+    path = os.path.join(_CHECKPOINT_DIR, name)
+    if not os.path.exists(path):
+        import_comfyui()
+        write_dit(path, shape, fmt, seed=seed)
+    return path
+
+
+def load_dit(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+             load_device: torch.device | str | None = None,
+             offload_device: torch.device | str | None = None):
+    """A DiT file loaded the way UNETLoader loads it (`comfy.sd.load_diffusion_model`), with
+    the compute dtype and devices as model_options. Whatever patcher class ComfyUI's loader
+    picks (ModelPatcherDynamic under DynamicVRAM) is what comes back."""
+    comfy = import_comfyui()
+    options: dict[str, Any] = {}
+    if dtype is not None:
+        options["dtype"] = dtype
+    if load_device is not None:
+        options["load_device"] = torch.device(load_device)
+    if offload_device is not None:
+        options["offload_device"] = torch.device(offload_device)
+    with torch.inference_mode():  # ComfyUI's executor runs every node (UNETLoader too) in it
+        patcher = comfy.sd.load_diffusion_model(os.fspath(path), model_options=options)
+    if patcher is None:
+        raise RuntimeError(f"ComfyUI did not recognise {path} as a diffusion model")
+    if load_device is not None and str(patcher.load_device) != str(torch.device(load_device)):
+        # releases whose loader ignores the load_device option
+        patcher.load_device = torch.device(load_device)
+    return patcher
 
 
 def make_tiny_h3(config: TinyH3Config = TinyH3Config(), *, seed: int = 0,
                  load_device: torch.device | str | None = None,
                  offload_device: torch.device | str = "cpu"):
-    """The real `comfy.model_base.MiniMaxH3` (from the real supported-model entry) with seeded
-    weights, wrapped in a real `comfy.model_patcher.ModelPatcher`.
+    """The real `comfy.model_base.MiniMaxH3`, loaded by ComfyUI's own loader from a seeded
+    tiny checkpoint in the config's weight format (`tiny_checkpoint`), in a real ModelPatcher.
 
-    load_device defaults to ComfyUI's torch device (CPU here). The model is built on the
-    offload device, the way ComfyUI's loader builds it.
+    load_device defaults to ComfyUI's torch device (CPU here); the weights stay on the offload
+    device until ComfyUI loads the model, as with UNETLoader.
     """
-    comfy = import_comfyui()
-    load_device = torch.device(load_device) if load_device is not None else \
-        comfy.model_management.get_torch_device()
-    offload_device = torch.device(offload_device)
-    model_config = comfy.supported_models.MiniMaxH3(config.unet_config())
-    model_config.set_inference_dtype(config.dtype, None)
-    model = model_config.get_model({}, "", device=offload_device)
-    sd = _random_state_dict(model.diffusion_model, seed)
-    missing, unexpected = model.diffusion_model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"tiny H3 weights do not match the model: missing {missing}, "
-                           f"unexpected {unexpected}")
-    return comfy.model_patcher.ModelPatcher(model, load_device=load_device,
-                                            offload_device=offload_device)
+    return load_dit(tiny_checkpoint(config, seed=seed), dtype=config.dtype,
+                    load_device=load_device, offload_device=offload_device)
 
 
 # ---------------------------------------------------------------------------------------------
