@@ -29,7 +29,8 @@ from enum import Enum
 import torch
 
 from . import sizing
-from .arena import HostArena, HostBuffer, StagingRing
+from .arena import HostArena, HostBuffer, StagingRing, booked_bytes
+from .comfy_memory import pin_budget_bytes
 from .engine import CopyEngine, make_engine, root_device
 from .slots import SlotRing
 from .weights import BlockWeights
@@ -95,7 +96,10 @@ class BlockStreamer:
     def _register_all(self) -> None:
         weights = {b: BlockWeights(b, self.modules[b]) for b in self.order}
         sizes = [weights[b].nbytes for b in self.order]
-        direct = sizing.arena_split(sizes, self.pinned_budget_bytes, source=self.source.value,
+        # inside ComfyUI the host copies share its pin budget: only what is left of it
+        budget = pin_budget_bytes(self.pinned_budget_bytes) if self.can_pin \
+            else self.pinned_budget_bytes
+        direct = sizing.arena_split(sizes, budget, source=self.source.value,
                                     staging_buffers=self.staging_buffers).direct
         arena = HostArena(None, can_pin=self.can_pin)
         host: dict[str, HostBuffer] = {}
@@ -342,6 +346,9 @@ class BlockStreamer:
             "host_pageable_bytes": 0 if arena is None else arena.pageable_bytes,
             "staging_bytes": 0 if staging is None else staging.nbytes,
             "refused_pins": 0 if arena is None else arena.refused_pins,
+            # of the pinned bytes, what ComfyUI counts in its pin budget (whole pages)
+            "booked_bytes": booked_bytes(self.host.values())
+            + (0 if staging is None else staging.booked_bytes),
             "copies": sum(self.copies.values()),
             "registrations": self.registrations,
             "detached_backups": self.detached_backups,
