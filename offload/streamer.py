@@ -71,7 +71,8 @@ class BlockStreamer:
         self.arena: HostArena | None = None
         self.staging: StagingRing | None = None
         self.slots: SlotRing | None = None
-        self._running: dict[str, int] = {}
+        self._running: dict[str, int] = {}  # running block -> its slot
+        self._swapped: dict[str, list] = {}  # running block -> what restore() undoes
         self.registrations = 0
         self.detached_backups = 0  # loader backups given their own bytes (see weights.py)
         self.copies: dict[str, int] = dict.fromkeys(self.order, 0)  # host->slot copies per block
@@ -220,14 +221,17 @@ class BlockStreamer:
         self._prefetch_after(block_id)
         self.engine.compute_wait(self.slots.ready[index])
         weights = self.weights[block_id]
-        weights.bind(self.slots.flat(index, weights.nbytes))
+        # the block's tensors report the slot's device (quantized ones through a wrapper built
+        # there): ComfyUI's cast then uses them as they are instead of copying each weight
+        self._swapped[block_id] = weights.swap_in(self.slots.flat(index, weights.nbytes))
         self._running[block_id] = index
 
     def end(self, block_id: str) -> None:
         """After `block_id`'s compute was issued: release its slot, point it back at host."""
         assert self.slots is not None
         index = self._running.pop(block_id)
-        self.weights[block_id].bind(self.host[block_id].flat)
+        # the module's own objects again, bound to the host copy
+        self.weights[block_id].restore(self._swapped.pop(block_id))
         self.slots.release(index, self.engine.record_compute())
 
     def following(self, block_id: str) -> Iterator[str]:
