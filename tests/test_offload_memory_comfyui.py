@@ -242,3 +242,26 @@ def test_status_names_comfyuis_pin_budget(monkeypatch):
     ref = run_like_sampler(base, make_inputs(cfg))
     assert all(torch.equal(a, b) for a, b in zip(run_like_sampler(patched, make_inputs(cfg)),
                                                   ref, strict=True))
+
+
+def test_plans_made_in_comfyui_use_its_loader_and_pin_budget(monkeypatch):
+    import comfy.model_management as mm
+
+    from h3_multigpu.nodes.planning import comfy_loader_inputs, make_plan
+
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 40 * GIB)
+    base = make_tiny_h3(TinyH3Config(blocks=2), seed=0)  # ComfyUI's legacy ModelPatcher here
+    assert comfy_loader_inputs("auto", base) == {"dynamic_vram": "off",
+                                                 "pinned_budget_bytes": 40 * GIB}
+    dynamic_vram_on(monkeypatch)
+    assert comfy_loader_inputs("auto")["dynamic_vram"] == "on"  # what new models load with
+    assert comfy_loader_inputs("auto", base)["dynamic_vram"] == "off"  # this one is legacy
+    sizes = dict(pass2_width=1312, pass2_height=736, pass1_width=864, pass1_height=480,
+                 seconds=10.0, lora_rank=128)
+    # (devices 'auto' plans this machine's GPUs, which a CPU bed has none of: a profile stands
+    # in; alone it would plan the legacy loader, ROCm 7.2)
+    plan = make_plan(**sizes, devices="2xR9700", **comfy_loader_inputs("auto"))
+    assert plan.loader.mode == "dynamic"  # the loader ComfyUI reports is the one planned
+    assert plan.loader.pinned_budget_bytes == 40 * GIB
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", -1)  # --disable-pinned-memory
+    assert comfy_loader_inputs("auto")["pinned_budget_bytes"] == 0
