@@ -17,7 +17,8 @@ from h3_multigpu import geometry
 from h3_multigpu.cli import main
 from h3_multigpu.offload import sizing
 from h3_multigpu.planner import PlanRequest, get_profile, plan_job, timing
-from h3_multigpu.planner.plan import COMFY_LOOKAHEAD, LOOKAHEAD, _dit_fixed_bytes
+from h3_multigpu.planner.plan import _dit_fixed_bytes
+from h3_multigpu.planner.residency import COMFY_LOOKAHEAD, LOOKAHEAD
 
 GiB = 1 << 30
 JOB = dict(width=1312, height=736, seconds=10)
