@@ -64,7 +64,13 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--parallel", choices=["auto", "sequence", "heads", "off"], default="auto",
                    help="how the GPUs share a step, per pass: auto picks the fastest of "
                         "sequence parallel, heads (Dual-Sage) and one GPU")
-    p.add_argument("--resident-blocks", type=int, default=None)
+    p.add_argument("--resident-blocks", type=int, default=None,
+                   help="DiT blocks the pack's streamer keeps on the root GPU (legacy loader "
+                        "only; under DynamicVRAM ComfyUI decides)")
+    p.add_argument("--dynamic-vram", choices=["auto", "on", "off"], default="auto",
+                   help="the loader ComfyUI runs with: auto = DynamicVRAM on NVIDIA and ROCm "
+                        "7.14+ (ComfyUI's default), off = the legacy loader (ROCm below 7.14, "
+                        "--disable-dynamic-vram, --highvram, --gpu-only, --novram)")
     p.add_argument("--quantized-attention", action="store_true",
                    help="time attention with an INT8-QK kernel (ck_int8 / triton_sage)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -87,7 +93,8 @@ def _run_plan(args) -> int:
                           dit_dtype=args.dit_dtype, dit_file=args.dit_file,
                           dual_sage=args.dual_sage, chunking=args.chunking,
                           parallel=args.parallel, resident_blocks=args.resident_blocks,
-                          quantized_attention=args.quantized_attention)
+                          quantized_attention=args.quantized_attention,
+                          dynamic_vram=args.dynamic_vram)
     if detect:
         # no profile named: plan for the GPUs of this machine (a clear error when it has none)
         request = replace(request, profile=detect_hardware(measure_link=args.measure_link))

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..offload.comfy_memory import free_vram_bytes
 from . import exact_rows, sizing
 from .config import AUTO, ChunkingConfig
 from .h3_ops import H3Ops, activation_adapter_ranks
@@ -352,23 +353,13 @@ class ChunkedBlockForward:
 
 
 def free_device_bytes(device: torch.device) -> int | None:
-    """Bytes the caching allocator can surely still hand out on `device`; None off-GPU.
+    """Bytes a new activation on `device` can get; None off-GPU.
 
-    Free device memory, capped by a per-process memory fraction when one is set. The
-    allocator's reserved-but-unused blocks are not counted: they are often fragments too small
-    for a multi-GiB activation (seen on an H200 capped at 32 GiB: 3.75 GiB reserved but unused,
-    and a 4.1 GiB request failed).
+    ComfyUI's own count inside ComfyUI (DynamicVRAM's evictable VBAR memory included: the DiT
+    weights it keeps resident give way to activations), the driver's free memory outside it;
+    capped by a per-process memory fraction when one is set (`offload.comfy_memory`).
     """
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    available = free
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if get_fraction is not None:
-        cap = int(total * get_fraction(device))
-        available = min(available, cap - reserved)
-    return max(available, 0)
+    return free_vram_bytes(device)
 
 
 @cache

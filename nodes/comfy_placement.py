@@ -2,13 +2,18 @@
 
 Order of preference for MODEL, CLIP and VAE:
 1. core `SelectModelDevice` / `SelectCLIPDevice` / `SelectVAEDevice` (comfy_extras.nodes_multigpu,
-   newest ComfyUI): we call the node's own `execute`, so its rules apply unchanged (fresh
+   0.33.0 and newest): we call the node's own `execute`, so its rules apply unchanged (fresh
    weights through `deepclone_multigpu`, compute dtype forced to one the GPU supports,
-   CFG-split clones pruned);
-2. `ModelPatcher.deepclone_multigpu(new_load_device=...)` where the patcher has it;
-3. otherwise (older ComfyUI) a clone whose `load_device` is the target, said so in the status.
+   CFG-split clones pruned, `register_load_device` for a DynamicVRAM patcher);
+2. `ModelPatcher.deepclone_multigpu(new_load_device=...)` where the patcher has it (it calls
+   `register_load_device` itself);
+3. otherwise (older ComfyUI, a loader without a reload factory) a clone whose `load_device` is
+   the target, registered with `register_load_device` where the patcher has one (a DynamicVRAM
+   patcher keeps its pins per device and fails in `partially_unload_ram` for a device it never
+   registered), said so in the status.
 A LATENT_UPSCALE_MODEL has no core device choice: it is a wrapper with a `.patcher` (Hunyuan and
-H3 style) or a ModelPatcher itself (LTX style); both are retargeted with 2./3.
+H3 style, the pack's loader registers a reload factory so 2. applies) or a ModelPatcher itself
+(LTX style); both are retargeted with 2./3.
 
 Every placed object also gets the device guard (`device_guard.py`): the DiT samples, the text
 encoder encodes and the VAE codes with their own GPU current, never the one ComfyUI left current.
@@ -78,6 +83,10 @@ def retarget_patcher(patcher: Any, target) -> tuple[Any, str]:
             reason = f"deepclone_multigpu refused ({exc})"
     clone = patcher.clone()
     clone.load_device = target
+    # ModelPatcherDynamic.register_load_device (0.33.0, newest): its per-device pin state
+    register = getattr(clone, "register_load_device", None)
+    if register is not None:
+        register(target)
     return clone, f"load_device set on a clone ({reason})"
 
 
@@ -141,9 +150,11 @@ def place_upscaler(upscaler: Any, index: int) -> tuple[Any, str]:
     if hasattr(upscaler, "patcher"):
         placed = copy.copy(upscaler)
         placed.patcher, how = retarget_patcher(upscaler.patcher, target)
-        # Wrappers move their input to `load_device` (or `device`) before the forward.
+        # Wrappers move their input to `load_device` (or `device`) before the forward; one
+        # that reads it from its patcher (a property, the pack's) follows the patcher already
         for attr in ("load_device", "device"):
-            if hasattr(placed, attr):
+            if hasattr(placed, attr) and not isinstance(getattr(type(placed), attr, None),
+                                                        property):
                 setattr(placed, attr, target)
         return placed, _checked(placed.patcher.load_device, index, "latent upscaler", how)
     if hasattr(upscaler, "load_device") and hasattr(upscaler, "clone"):

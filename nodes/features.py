@@ -132,7 +132,10 @@ def plan_feature_strings(plan: Any) -> dict[str, dict[str, str] | str]:
     else:
         out["chunking"] = f"off: {chunks.reason}"
     pre = plan.prefetch
-    if pre.streamed_blocks:
+    if getattr(pre, "streamer", "pack") == "comfyui":
+        # ComfyUI's DynamicVRAM streams (or holds) the DiT: the pack's streamer stays out
+        out["prefetch"] = f"off: {pre.reason}"
+    elif pre.streamed_blocks:
         out["prefetch"] = {"resident_blocks": str(pre.resident_blocks),
                            "lookahead": str(pre.lookahead),
                            "pinned_budget": str(pre.pinned_budget_bytes)}
@@ -186,6 +189,8 @@ def apply_plan(model: Any, plan: Any, placement: Placement,
             wanted[name] = "off: only one GPU is in use here"
     if isinstance(wanted.get("dual_sage"), dict):
         wanted["dual_sage"] = dual_sage_for_placement(wanted["dual_sage"], plan, placement)
+    if "prefetch" in wanted:
+        wanted["prefetch"] = _prefetch_for_loader(model, plan, wanted["prefetch"])
     for name, options in wanted.items():
         if name in disabled:
             lines[name] = "off: switched off on the node"
@@ -202,6 +207,28 @@ def apply_plan(model: Any, plan: Any, placement: Placement,
         if name not in lines or lines[name].startswith("applied"):
             lines[name] = line  # the library's own words win for what it applied
     return model, lines
+
+
+def _prefetch_for_loader(model: Any, plan: Any, wanted: dict[str, str] | str
+                         ) -> dict[str, str] | str:
+    """The prefetch entry for the loader this model really runs with: a DynamicVRAM model is
+    streamed by ComfyUI (its line says how), and a plan that left streaming to DynamicVRAM
+    cannot stream a legacy model."""
+    from ..offload.comfy_memory import dynamic_vram_line, is_dynamic
+
+    pre = plan.prefetch
+    if is_dynamic(model):
+        planned = (f"plan: {pre.resident_blocks} of 50 blocks resident, {pre.streamed_blocks} "
+                   "cast in per step" if getattr(pre, "streamer", "pack") == "comfyui" else
+                   "the plan was made for the legacy loader: plan with devices 'auto' here")
+        return ("off: ComfyUI's DynamicVRAM streams this model's weights, the block prefetcher "
+                f"stands aside; {dynamic_vram_line(model)}; {planned}")
+    if getattr(pre, "streamer", "pack") == "comfyui" and pre.streamed_blocks:
+        return ("NOT ACTIVE: the plan leaves the DiT's streaming to ComfyUI's DynamicVRAM, but "
+                "this model loads with the legacy ModelPatcher, so nothing would stream "
+                f"{pre.streamed_blocks} blocks: plan with devices 'auto' in this ComfyUI (or "
+                "dynamic_vram off)")
+    return wanted
 
 
 def apply_decode_plan(vae: Any, plan: Any, vae_gpu: int | None) -> tuple[Any, str]:

@@ -14,7 +14,7 @@ from .comfy_types import CATEGORY, LatentUpscaleModel, Plan, preview_text
 from .devices import gpu_inventory, parse_device
 from .features import apply_decode_plan, apply_plan
 from .placement import Placement, decide_placement, placement_from_plan
-from .planning import PlannerUnavailable, make_plan
+from .planning import PlannerUnavailable, comfy_loader_inputs, make_plan
 from .status import FEATURES, comfyui_support_line, compose_status
 from .v3_plan import check_sizes, parallel_input, size_inputs
 
@@ -55,7 +55,8 @@ def run_dropin(model, clip, vae, audio_vae, latent_upscale_model, plan, sizes: d
     extra: list[str] = []
     if plan is None:
         try:
-            plan = make_plan(**sizes)
+            # planned for the loader this model runs with (DynamicVRAM or the legacy one)
+            plan = make_plan(**sizes, **comfy_loader_inputs(sizes["devices"], model))
         except PlannerUnavailable as exc:
             extra.append(f"planner: {exc}; default placement, no features applied")
     placement = placement_from_plan(plan, gpus)

@@ -162,7 +162,9 @@ class H3MultiGPUPrefetch(io.ComfyNode):
         return io.Schema(
             node_id="H3MultiGPUPrefetch", display_name="H3 Block Prefetch", category=CATEGORY,
             description="Keeps some DiT blocks resident and streams the rest from pinned host "
-                        "memory ahead of use, to fit PASS2 on smaller GPUs.",
+                        "memory ahead of use, to fit PASS2 on smaller GPUs (ComfyUI's legacy "
+                        "loader; under DynamicVRAM ComfyUI streams the weights itself and this "
+                        "node stands aside, saying so).",
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("resident_blocks", default="auto",
@@ -195,7 +197,8 @@ class H3MultiGPUPrefetchAdvanced(H3MultiGPUPrefetch):
                          tooltip="Blocks copied ahead of the one running."),
             io.String.Input("pinned_budget", default="auto",
                             tooltip="Pinned host memory the streamer may take, e.g. '24GiB'; "
-                                    "auto = half the host RAM."),
+                                    "auto = what is left of ComfyUI's pin budget "
+                                    "(MAX_PINNED_MEMORY)."),
         ]
         return schema
 

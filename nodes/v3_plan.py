@@ -12,7 +12,7 @@ from . import inputs
 from .comfy_types import CATEGORY, Plan, preview_text
 from .devices import gpu_inventory
 from .placement import placement_from_plan, should_release_text_encoder
-from .planning import make_plan, profiles
+from .planning import comfy_loader_inputs, make_plan, profiles
 
 SIZE_MAX = 4096
 
@@ -91,7 +91,8 @@ class H3MultiGPUPlan(io.ComfyNode):
                 lora_rank) -> io.NodeOutput:
         plan = make_plan(pass2_width=pass2_width, pass2_height=pass2_height,
                          pass1_width=pass1_width, pass1_height=pass1_height, seconds=seconds,
-                         devices=devices, lora_rank=lora_rank)
+                         devices=devices, lora_rank=lora_rank,
+                         **comfy_loader_inputs(devices))  # the loader this ComfyUI runs
         report = plan.report()
         return io.NodeOutput(plan, report, ui=preview_text(report))
 

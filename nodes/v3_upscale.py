@@ -5,6 +5,14 @@ versions, and their `LatentUpscaleModelLoader` loads only HunyuanVideo 1.5 and L
 These two nodes need neither, so the bundled two-pass workflows run on any ComfyUI that has the
 MiniMax H3 nodes. The network and its checks live in `upscale/`; here is only ComfyUI glue
 (model folder, ModelPatcher for device placement and offload, the node schemas).
+
+The upscaler loads through the patcher class ComfyUI uses for its own models
+(`comfy.model_patcher.CoreModelPatcher`, which main.py makes `ModelPatcherDynamic` under
+DynamicVRAM), so ComfyUI frees memory for it the dynamic way instead of evicting the text
+encoder and VAEs from gpu:0; and it registers a reload factory (`cached_patcher_init`), so
+placing it on another GPU is core's `deepclone_multigpu`. Neither ComfyUI 0.33.0 nor the newest
+stored files have a core H3 latent upscale node (their `LatentUpscaleModelLoader` knows the
+HunyuanVideo 1.5 and LTX upscalers only).
 """
 
 from __future__ import annotations
@@ -29,6 +37,37 @@ class PackUpscaler:
     @property
     def load_device(self):
         return self.patcher.load_device
+
+
+def _patcher_class(disable_dynamic: bool):
+    """The patcher class ComfyUI loads its own models with: `comfy.model_patcher.CoreModelPatcher`
+    (0.33.0 and newest; `ModelPatcherDynamic` under DynamicVRAM), the plain ModelPatcher when a
+    non-dynamic copy is asked for or on a ComfyUI without it."""
+    import comfy.model_patcher
+
+    plain = comfy.model_patcher.ModelPatcher
+    return plain if disable_dynamic else getattr(comfy.model_patcher, "CoreModelPatcher", plain)
+
+
+def load_upscaler_patcher(path: str, disable_dynamic: bool = False):
+    """The upscaler checkpoint at `path` in ComfyUI's patcher class for models, with itself as
+    the reload factory (`cached_patcher_init`: ComfyUI calls it for multi-GPU clones, with
+    disable_dynamic=True for a non-dynamic one)."""
+    import comfy.model_management as mm
+    import comfy.utils
+    import torch
+
+    from ..upscale import build_from_state_dict
+
+    sd = comfy.utils.load_torch_file(path, safe_load=True)
+    net = build_from_state_dict(sd)
+    device = mm.get_torch_device()
+    # fp16 as published on a GPU that runs it; fp32 on the CPU (no half conv3d there).
+    net = net.to(torch.float16 if mm.should_use_fp16(device) else torch.float32)
+    patcher = _patcher_class(disable_dynamic)(net, load_device=device,
+                                              offload_device=mm.unet_offload_device())
+    patcher.cached_patcher_init = (load_upscaler_patcher, (path,))
+    return patcher
 
 
 def _folder_files() -> list[str]:
@@ -59,23 +98,10 @@ class H3MultiGPULatentUpscalerLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, upscaler_name) -> io.NodeOutput:
-        import comfy.model_management as mm
-        import comfy.model_patcher
-        import comfy.utils
         import folder_paths
-        import torch
-
-        from ..upscale import build_from_state_dict
 
         path = folder_paths.get_full_path_or_raise(FOLDER, upscaler_name)
-        sd = comfy.utils.load_torch_file(path, safe_load=True)
-        net = build_from_state_dict(sd)
-        device = mm.get_torch_device()
-        # fp16 as published on a GPU that runs it; fp32 on the CPU (no half conv3d there).
-        net = net.to(torch.float16 if mm.should_use_fp16(device) else torch.float32)
-        patcher = comfy.model_patcher.ModelPatcher(net, load_device=device,
-                                                   offload_device=mm.unet_offload_device())
-        return io.NodeOutput(PackUpscaler(patcher, upscaler_name))
+        return io.NodeOutput(PackUpscaler(load_upscaler_patcher(path), upscaler_name))
 
 
 class H3MultiGPULatentUpscale(io.ComfyNode):

@@ -20,7 +20,10 @@ When things happen in a ComfyUI sampling run:
 5. ComfyUI unloading the model (ON_DETACH) frees the slots and unpins the host copies; the model
    being garbage collected frees them (nothing but the model's own modules keeps them).
 With ComfyUI's DynamicVRAM (a dynamic patcher) the model's weights are already streamed by
-ComfyUI, and the prefetcher stands aside (the status line says so).
+ComfyUI (its VBAR per device, its one-block prefetch, its pins), and the prefetcher stands
+aside; the status line describes what ComfyUI does instead. On the legacy loader (ROCm below
+7.14, --disable-dynamic-vram / --highvram / --gpu-only / --novram / --cpu, older ComfyUI) the
+prefetcher streams, its host copies pinned within ComfyUI's pin budget (`comfy_memory`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ from typing import Any
 import torch
 
 from . import policy, sizing
+from .comfy_memory import (
+    comfy_pin_budget,
+    dynamic_vram_line,
+    free_vram_bytes,
+    is_dynamic,
+    pin_budget_bytes,
+)
 from .engine import root_device
 from .streamer import BlockStreamer, Source
 from .weights import leaves_of, module_bytes
@@ -54,8 +64,10 @@ class PrefetchConfig:
     resident_blocks: a count (0..blocks) or "auto" (before the first load: as many as fit in
         the free VRAM minus `activation_reserve_bytes`, leaving room for the slots).
     lookahead: K, how many streamed blocks ahead are copied (K + 1 device slots).
-    pinned_budget_bytes: page-locked host memory for block copies; None = half the host's RAM.
-        Blocks past it stay pageable and stream through a small pinned staging ring.
+    pinned_budget_bytes: page-locked host memory for block copies; None = inside ComfyUI what
+        is left of ComfyUI's own pin budget (MAX_PINNED_MEMORY), outside it half the host's
+        RAM. Inside ComfyUI a given budget is capped by ComfyUI's too. Blocks past it stay
+        pageable and stream through a small pinned staging ring.
     source: "auto" (pinned within the budget, staged beyond), "pinned" (all pinned; the budget
         must cover them), "pageable" (all staged; least pinned memory).
     stream_refiner: stream the token refiner's blocks too (when any DiT block streams), once
@@ -78,8 +90,8 @@ class PrefetchConfig:
             raise ValueError(f"lookahead={self.lookahead!r}: use an integer >= 1 (2 is typical)")
         budget = self.pinned_budget_bytes
         if budget is not None and (not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"pinned_budget_bytes={budget!r}: use None (half the host RAM) or "
-                             "a byte count >= 0")
+            raise ValueError(f"pinned_budget_bytes={budget!r}: use None (ComfyUI's pin budget, "
+                             "or half the host RAM outside ComfyUI) or a byte count >= 0")
         if self.source not in {s.value for s in Source}:
             raise ValueError(f"source={self.source!r}: use 'auto', 'pinned' or 'pageable'")
         if self.activation_reserve_bytes < 0:
@@ -166,23 +178,30 @@ class BlockPrefetch:
         return owner
 
     # ------------------------------------------------------------------ residency
-    def resolve(self) -> None:
-        """Decide residency and build the streamer (refusing a too-small pinned budget)."""
+    def resolve(self, patcher: Any = None) -> None:
+        """Decide residency and build the streamer (refusing a too-small pinned budget).
+        `patcher`: the ComfyUI patcher about to load the model (its free-memory query)."""
         count = self.config.resident_blocks
         if count == "auto":
-            count = self._auto_resident()
+            count = self._auto_resident(patcher)
         count = min(int(count), self.blocks)
         resident = policy.spread_resident(self.blocks, count)
         stream_refiner = self.config.stream_refiner and count < self.blocks
         order = policy.streamed_order(self.blocks, resident, self.refiner_blocks,
                                       stream_refiner)
-        if self.config.source_mode is Source.PINNED and self.pinned_budget_bytes is not None:
+        budget = pin_budget_bytes(self.pinned_budget_bytes) if self.device.type == "cuda" \
+            else self.pinned_budget_bytes
+        if self.config.source_mode is Source.PINNED and budget is not None:
             need = sum(module_bytes(self.module(b)) for b in order)
-            if need > self.pinned_budget_bytes:
+            if need > budget:
+                comfy = comfy_pin_budget()
+                limit = (f"ComfyUI's pin budget has {budget / GIB:.2f} GiB left "
+                         f"({comfy.describe()})" if comfy is not None and
+                         (self.pinned_budget_bytes is None or budget < self.pinned_budget_bytes)
+                         else f"pinned_budget_bytes allows {budget / GIB:.2f} GiB")
                 raise ValueError(
                     f"source='pinned' needs {need / GIB:.2f} GiB of pinned memory for "
-                    f"{len(order)} streamed blocks but pinned_budget_bytes allows "
-                    f"{self.pinned_budget_bytes / GIB:.2f} GiB; raise the budget, keep more "
+                    f"{len(order)} streamed blocks but {limit}; raise the budget, keep more "
                     "blocks resident, or use source='auto'")
         prologue = [b for b in order if b.startswith("token_refiner.")]
         self.streamer = BlockStreamer({b: self.module(b) for b in order}, device=self.device,
@@ -194,18 +213,18 @@ class BlockPrefetch:
         self.resident = resident
         self.streamed_ids = frozenset(order)
 
-    def ensure_resolved(self) -> None:
+    def ensure_resolved(self, patcher: Any = None) -> None:
         if self.streamer is None:
-            self.resolve()
+            self.resolve(patcher)
 
     def is_streamed(self, block_id: str) -> bool:
         self.ensure_resolved()
         return block_id in self.streamed_ids
 
-    def _auto_resident(self) -> int:
-        if self.device.type != "cuda":
+    def _auto_resident(self, patcher: Any = None) -> int:
+        free = free_vram_bytes(self.device, patcher)  # ComfyUI's count inside ComfyUI
+        if free is None:
             return self.blocks  # no VRAM to save on a CPU root
-        free, _ = torch.cuda.mem_get_info(self.device)
         model = self.diffusion_model
         on_device = _device_bytes(model, self.device)  # ours already: reusable
         block_modules = [self.module(b) for b in self.block_ids]
@@ -345,12 +364,6 @@ def _shared_prefetch(base_model: torch.nn.Module, config: PrefetchConfig, device
     return prefetch
 
 
-def is_dynamic(model_patcher: Any) -> bool:
-    """ComfyUI's DynamicVRAM patcher (comfy-aimdo) streams the weights itself."""
-    check = getattr(model_patcher, "is_dynamic", None)
-    return bool(check()) if callable(check) else False
-
-
 def apply_block_prefetch(model_patcher: Any, config: PrefetchConfig) -> Any:
     """Clone `model_patcher` and stream its DiT blocks as `config` says. Returns the clone."""
     from . import comfy_hooks
@@ -362,14 +375,15 @@ def apply_block_prefetch(model_patcher: Any, config: PrefetchConfig) -> Any:
         raise ValueError(f"resident_blocks={config.resident_blocks} but the model has {blocks} "
                          f"blocks; use 0..{blocks} or 'auto'")
     budget = config.pinned_budget_bytes
-    if budget is None:
-        host = host_memory_bytes()
+    if budget is None and comfy_pin_budget() is None:
+        host = host_memory_bytes()  # outside ComfyUI: half the host's RAM
         budget = None if host is None else host // 2
     patcher = model_patcher.clone()
     if is_dynamic(model_patcher):
+        # ComfyUI streams this model itself: a second streamer would copy every block twice
         comfy_hooks.record_status(patcher, (
-            "off: ComfyUI's DynamicVRAM streams this model's weights (comfy-aimdo, one block "
-            "ahead); the block prefetcher stands aside"))
+            "off: ComfyUI's DynamicVRAM streams this model's weights, the block prefetcher "
+            f"stands aside; {dynamic_vram_line(model_patcher)}"))
         return patcher
     prefetch = _shared_prefetch(base_model, config, model_patcher.load_device, budget)
     if isinstance(config.resident_blocks, int) and config.source_mode is Source.PINNED \
@@ -391,7 +405,12 @@ def _status(config: PrefetchConfig, blocks: int, budget: int | None) -> str:
     resident = (f"resident auto (free VRAM minus {config.activation_reserve_bytes / GIB:.0f} GiB, "
                 "decided before the first load)" if config.resident_blocks == "auto"
                 else f"{config.resident_blocks}/{blocks} blocks resident (spread)")
-    pinned = "unlimited" if budget is None else f"{budget / GIB:.1f} GiB"
+    comfy = comfy_pin_budget()
+    if comfy is not None:  # inside ComfyUI: its budget, ours capped by it
+        pinned = comfy.describe() if budget is None else \
+            f"{budget / GIB:.1f} GiB within {comfy.describe()}"
+    else:
+        pinned = "unlimited" if budget is None else f"{budget / GIB:.1f} GiB"
     refiner = ("streamed once per sampling run, ahead of the blocks" if config.stream_refiner
                else "resident")
     return (f"block prefetch on: {resident}, look-ahead {config.lookahead} "

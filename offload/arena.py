@@ -5,10 +5,12 @@ Buffers are page-locked while the pinned budget lasts, so the copy engine reads 
 asynchronously at full link speed; past the budget they stay pageable and reach the device
 through the `StagingRing`: two pinned buffers that a worker thread fills ahead of use.
 
-Page locking uses `cudaHostRegister` on a page-aligned allocation of the block's size (torch's
-pinned allocator rounds every allocation up to a power of two: 1 GiB for a 735 MiB block). The
-call exists on CUDA and, under the same name, on ROCm builds of torch. A refused registration
-falls back to a pageable, staged buffer with a warning, never to an error.
+Page locking registers a page-aligned allocation of the block's size in place (torch's pinned
+allocator rounds every allocation up to a power of two: 1 GiB for a 735 MiB block). Inside
+ComfyUI it goes through ComfyUI's own `pin_memory` (`comfy_memory.pin_host`), so the bytes are
+booked in ComfyUI's pin budget (`TOTAL_PINNED_MEMORY` within `MAX_PINNED_MEMORY`) and refused
+past it; outside ComfyUI through `cudaHostRegister` (CUDA and, under the same name, ROCm). A
+refused registration falls back to a pageable, staged buffer, never to an error.
 """
 
 from __future__ import annotations
@@ -23,12 +25,10 @@ from typing import Any
 
 import torch
 
+from .comfy_memory import pin_host, unpin_host
 from .engine import CopyEngine
 
 log = logging.getLogger(__name__)
-
-_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device, not only the current
-
 
 def host_bytes(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(region, flat): `flat` holds `nbytes` at the start of `region`, which covers whole pages
@@ -42,23 +42,6 @@ def host_bytes(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     start = (-raw.data_ptr()) % page
     region = raw[start:start + -(-max(nbytes, 1) // page) * page]
     return region, region[:nbytes]
-
-
-def page_lock(region_u8: torch.Tensor) -> bool:
-    """Page-lock a CPU tensor's memory in place; False when unavailable or refused."""
-    if not torch.cuda.is_available() or region_u8.numel() == 0:
-        return False
-    try:
-        cudart = torch.cuda.cudart()
-        status = cudart.cudaHostRegister(region_u8.data_ptr(), region_u8.numel(), _PORTABLE)
-    except (AttributeError, AssertionError, RuntimeError) as error:
-        log.warning("page locking unavailable (%s); using pageable memory", error)
-        return False
-    return int(status) == 0
-
-
-def page_unlock(region_u8: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(region_u8.data_ptr())
 
 
 LIVE_BUFFERS: weakref.WeakSet[HostBuffer] = weakref.WeakSet()  # every host buffer not yet freed
@@ -81,6 +64,7 @@ class HostBuffer:
     pinned: bool
     staged: bool
     unpinned: bool = False
+    booked: bool = False  # pinned through ComfyUI (counted in its pin budget)
 
     def __post_init__(self) -> None:
         LIVE_BUFFERS.add(self)
@@ -88,24 +72,26 @@ class HostBuffer:
     @classmethod
     def allocate(cls, nbytes: int, pin: bool, staged: bool) -> HostBuffer:
         region, flat = host_bytes(nbytes)
-        return cls(region, flat, pinned=pin and page_lock(region), staged=staged)
+        pinned, booked = pin_host(region) if pin else (False, False)
+        return cls(region, flat, pinned=pinned, staged=staged, booked=booked)
 
     def unpin(self) -> None:
         """Unlock the pages in place: bytes and views stay valid, only pageable now."""
         if self.pinned:
-            page_unlock(self.region)
+            unpin_host(self.region, self.booked)
             self.pinned, self.unpinned = False, True
 
     def repin(self) -> bool:
-        """Lock again what `unpin` unlocked; False when the OS refused."""
+        """Lock again what `unpin` unlocked; False when refused (OS or ComfyUI's budget)."""
         if self.unpinned:
-            self.pinned, self.unpinned = page_lock(self.region), False
+            self.pinned, self.booked = pin_host(self.region)
+            self.unpinned = False
             return self.pinned
         return True
 
     def free(self) -> None:
         if self.pinned:
-            page_unlock(self.region)
+            unpin_host(self.region, self.booked)
             self.pinned = False
         self.unpinned = False
         LIVE_BUFFERS.discard(self)
@@ -118,6 +104,11 @@ class HostBuffer:
             self.free()
         except Exception:  # interpreter shutdown: the CUDA runtime may already be gone
             pass
+
+
+def booked_bytes(buffers) -> int:
+    """Bytes of `buffers` counted in ComfyUI's pin budget (whole pages: what was registered)."""
+    return sum(b.region.numel() for b in buffers if b.pinned and b.booked)
 
 
 class HostArena:
@@ -147,10 +138,12 @@ class HostArena:
                 self.direct_bytes += nbytes
                 self.pinned_bytes += nbytes if buffer.pinned else 0
                 return buffer
-            # one refusal means the OS limit is reached: stop asking, stage the rest
+            # one refusal means the OS limit (or ComfyUI's pin budget) is reached: stop asking,
+            # stage the rest
             self.refused_pins += 1
-            log.warning("page locking %d bytes was refused; this block and the following ones "
-                        "stream through the staging ring instead", nbytes)
+            log.warning("page locking %d bytes was refused (OS limit or ComfyUI's pin budget); "
+                        "this block and the following ones stream through the staging ring "
+                        "instead", nbytes)
             buffer.staged = True
         else:
             buffer = HostBuffer.allocate(nbytes, pin=False, staged=True)
@@ -217,6 +210,10 @@ class StagingRing:
     @property
     def pinned_bytes(self) -> int:
         return sum(b.flat.numel() for b in self.buffers if b.pinned)
+
+    @property
+    def booked_bytes(self) -> int:
+        return booked_bytes(self.buffers)
 
     def schedule(self, block_id: str, source_u8: torch.Tensor) -> bool:
         """Start filling a free buffer with `block_id`'s bytes; False when none is free."""

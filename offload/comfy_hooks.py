@@ -145,7 +145,7 @@ def _diffusion_wrapper(prefetch: BlockPrefetch) -> Callable:
 def _prepare_wrapper(prefetch: BlockPrefetch) -> Callable:
     def wrapper(executor: Callable, model: Any, *args: Any, **kwargs: Any) -> Any:
         with _device_current(prefetch):
-            prefetch.ensure_resolved()
+            prefetch.ensure_resolved(model)
         if prefetch.streamed_ids and hasattr(model, "size"):
             # load_models_gpu frees, and partially_load compares with, model_size(): make it
             # what really goes on the device, so the loader neither evicts other models for

@@ -132,6 +132,18 @@ def step_overhead_seconds(*, blocks: int, streamed: int, block_compute_s: float,
     return streamed * max(0.0, block_copy_s - slack_s) + unhidden_copies * block_copy_s
 
 
+def one_ahead_overhead_seconds(*, streamed: int, block_compute_s: float,
+                               block_copy_s: float) -> float:
+    """Predicted extra time per step when ComfyUI's DynamicVRAM streams `streamed` blocks.
+
+    Its block prefetch (`comfy.model_prefetch.make_prefetch_queue`) stages the next block
+    while one runs, whether that one is resident or not: each streamed block's copy has one
+    block of compute to hide behind (the pack's streamer, with resident blocks spread and K
+    ahead, has `blocks / streamed`).
+    """
+    return streamed * max(0.0, block_copy_s - block_compute_s)
+
+
 def streamed_weight_vram_bytes(*, blocks: int, resident: int, block_bytes: int,
                                lookahead: int, extra_streamed: int = 0) -> int:
     """DiT block weights on the device: resident blocks plus the slot ring.

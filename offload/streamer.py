@@ -29,7 +29,8 @@ from enum import Enum
 import torch
 
 from . import sizing
-from .arena import HostArena, HostBuffer, StagingRing
+from .arena import HostArena, HostBuffer, StagingRing, booked_bytes
+from .comfy_memory import pin_budget_bytes
 from .engine import CopyEngine, make_engine, root_device
 from .slots import SlotRing
 from .weights import BlockWeights
@@ -70,7 +71,8 @@ class BlockStreamer:
         self.arena: HostArena | None = None
         self.staging: StagingRing | None = None
         self.slots: SlotRing | None = None
-        self._running: dict[str, int] = {}
+        self._running: dict[str, int] = {}  # running block -> its slot
+        self._swapped: dict[str, list] = {}  # running block -> what restore() undoes
         self.registrations = 0
         self.detached_backups = 0  # loader backups given their own bytes (see weights.py)
         self.copies: dict[str, int] = dict.fromkeys(self.order, 0)  # host->slot copies per block
@@ -95,7 +97,10 @@ class BlockStreamer:
     def _register_all(self) -> None:
         weights = {b: BlockWeights(b, self.modules[b]) for b in self.order}
         sizes = [weights[b].nbytes for b in self.order]
-        direct = sizing.arena_split(sizes, self.pinned_budget_bytes, source=self.source.value,
+        # inside ComfyUI the host copies share its pin budget: only what is left of it
+        budget = pin_budget_bytes(self.pinned_budget_bytes) if self.can_pin \
+            else self.pinned_budget_bytes
+        direct = sizing.arena_split(sizes, budget, source=self.source.value,
                                     staging_buffers=self.staging_buffers).direct
         arena = HostArena(None, can_pin=self.can_pin)
         host: dict[str, HostBuffer] = {}
@@ -216,14 +221,17 @@ class BlockStreamer:
         self._prefetch_after(block_id)
         self.engine.compute_wait(self.slots.ready[index])
         weights = self.weights[block_id]
-        weights.bind(self.slots.flat(index, weights.nbytes))
+        # the block's tensors report the slot's device (quantized ones through a wrapper built
+        # there): ComfyUI's cast then uses them as they are instead of copying each weight
+        self._swapped[block_id] = weights.swap_in(self.slots.flat(index, weights.nbytes))
         self._running[block_id] = index
 
     def end(self, block_id: str) -> None:
         """After `block_id`'s compute was issued: release its slot, point it back at host."""
         assert self.slots is not None
         index = self._running.pop(block_id)
-        self.weights[block_id].bind(self.host[block_id].flat)
+        # the module's own objects again, bound to the host copy
+        self.weights[block_id].restore(self._swapped.pop(block_id))
         self.slots.release(index, self.engine.record_compute())
 
     def following(self, block_id: str) -> Iterator[str]:
@@ -342,6 +350,9 @@ class BlockStreamer:
             "host_pageable_bytes": 0 if arena is None else arena.pageable_bytes,
             "staging_bytes": 0 if staging is None else staging.nbytes,
             "refused_pins": 0 if arena is None else arena.refused_pins,
+            # of the pinned bytes, what ComfyUI counts in its pin budget (whole pages)
+            "booked_bytes": booked_bytes(self.host.values())
+            + (0 if staging is None else staging.booked_bytes),
             "copies": sum(self.copies.values()),
             "registrations": self.registrations,
             "detached_backups": self.detached_backups,

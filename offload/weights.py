@@ -15,6 +15,16 @@ quantized tensor gets its `_qdata` / `_params` swapped in place. `TensorRef` res
 by (owner module, attribute name) every time, so a loader that replaced a parameter object
 (ComfyUI re-patching a LoRA with `set_attr_param`) is noticed by `BlockWeights.is_bound_to`.
 
+A quantized tensor's device is fixed when it is built (comfy-kitchen's `QuantizedTensor` is a
+wrapper subclass: `.device` is its qdata's device at construction), so swapping its `_qdata`
+for a view on another device would leave it reporting the old one, and ComfyUI's cast
+(`ops.cast_bias_weight`: the weight is "not on the compute device") would copy the whole
+weight on every call. Binding to a buffer on another device (a device slot, a helper GPU)
+therefore puts a wrapper of its own in the module for as long as the block runs: a
+`QuantizedTensor` built by comfy-kitchen's constructor from the views, with the tensor's layout
+and non-tensor params (`swap_in`), and `restore` puts the module's own object back. The
+wrappers are built once per buffer and tensor and reused while the layout holds.
+
 Aliases: ComfyUI backs a weight up with `weight.to(offload_device, copy=False)`, which for a
 weight bound to the host copy is the bound object itself. Before the host copy is overwritten
 with other bytes, every object that was bound to it and is no longer the module's tensor (a
@@ -27,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +45,7 @@ from . import sizing
 
 PLAIN = "plain"  # the field name of a plain tensor's single leaf
 QDATA = "_qdata"
+QUANTIZED, SWAPPED = "quantized", "swapped"  # kinds of `swap_in` records (and PLAIN)
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:
@@ -116,6 +128,8 @@ class BlockWeights:
         self._views: dict[int, list[dict[str, torch.Tensor]]] = {}
         # per tensor, the object last bound to a buffer of ours (weakly: a dropped one is gone)
         self._bound: list[weakref.ref | None] = [None] * len(self.refs)
+        # quantized wrappers on another device, per (buffer, tensor): see `swap_in`
+        self._wrappers: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -136,12 +150,13 @@ class BlockWeights:
         layout = BlockLayout.of(self.tensors())
         changed = layout.signature() != self.layout.signature()
         self.layout = layout
-        self._views.clear()
+        self.forget_views()
         return changed
 
     def forget_views(self) -> None:
-        """Drop cached views (their buffers are being freed or replaced)."""
+        """Drop cached views and wrappers (their buffers are being freed or replaced)."""
         self._views.clear()
+        self._wrappers.clear()
 
     def views(self, flat_u8: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         key = flat_u8.data_ptr()
@@ -149,6 +164,52 @@ class BlockWeights:
         if views is None:
             views = self._views[key] = self.layout.views(flat_u8)
         return views
+
+    def swap_in(self, flat_u8: torch.Tensor) -> list[tuple]:
+        """Point the block's tensors at `flat_u8` for one run; returns what `restore` undoes.
+
+        Plain tensors get `.data` swapped (their device follows). A quantized tensor on
+        another device than `flat_u8` is replaced in its module, for the run, by a wrapper
+        built on `flat_u8`'s device (see the module docstring); one on the same device is
+        bound in place. The module's own objects and `_bound` are left as they were."""
+        saved: list[tuple] = []
+        for index, (ref, views) in enumerate(zip(self.refs, self.views(flat_u8), strict=True)):
+            tensor = ref.current()
+            if is_quantized(tensor) and tensor.device != flat_u8.device:
+                table = ref.owner._buffers if ref.is_buffer else ref.owner._parameters
+                saved.append((SWAPPED, table, ref.name, tensor))
+                table[ref.name] = self._device_wrapper(flat_u8, index, tensor, views)
+            elif is_quantized(tensor):
+                saved.append((QUANTIZED, tensor, tensor._qdata, tensor._params))
+                bind_leaves(tensor, views)
+            else:
+                saved.append((PLAIN, tensor, tensor.data, None))
+                tensor.data = views[PLAIN]
+        return saved
+
+    @staticmethod
+    def restore(saved: list[tuple]) -> None:
+        """Undo `swap_in`: the module's own objects and bindings, in reverse order."""
+        for kind, a, b, c in reversed(saved):
+            if kind == SWAPPED:
+                a[b] = c  # the module's own object back in its table
+            elif kind == QUANTIZED:
+                a._qdata, a._params = b, c
+            else:
+                a.data = b
+
+    def _device_wrapper(self, flat_u8: torch.Tensor, index: int, tensor: torch.Tensor,
+                        views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A quantized tensor like `tensor` whose qdata and scales are `views` (on their
+        device), cached per buffer and tensor while the layout and non-tensor params hold."""
+        key = (flat_u8.data_ptr(), index)
+        spec = (type(tensor), tensor._layout_cls, _non_tensor_params(tensor))
+        cached = self._wrappers.get(key)
+        if cached is not None and cached[0] == spec:
+            return cached[1]
+        wrapper = device_wrapper(tensor, views)
+        self._wrappers[key] = (spec, wrapper)
+        return wrapper
 
     def copy_into(self, flat_u8: torch.Tensor) -> None:
         """Write the current tensors' bytes into `flat_u8` (synchronous, setup only)."""
@@ -206,10 +267,18 @@ class BlockWeights:
         its bytes there), and every earlier bound object its own storage where it is, so
         nothing refers to `flat_u8` afterwards. Tensors the loader replaced are left alone."""
         self.detach_replaced(flat_u8)
-        for tensor in self.tensors():
-            if aliases(tensor, flat_u8):
-                bind_leaves(tensor, {f: leaf.to(device, copy=True)
-                                      for f, leaf in leaves_of(tensor)})
+        device = torch.device(device)
+        for ref in self.refs:
+            tensor = ref.current()
+            if not aliases(tensor, flat_u8):
+                continue
+            own = {f: leaf.to(device, copy=True) for f, leaf in leaves_of(tensor)}
+            if is_quantized(tensor) and tensor.device != device:
+                # a wrapper reports the device it was built on: build one there, for good
+                table = ref.owner._buffers if ref.is_buffer else ref.owner._parameters
+                table[ref.name] = device_wrapper(tensor, own)
+            else:
+                bind_leaves(tensor, own)
         self._bound = [None] * len(self.refs)
 
     def is_bound_to(self, flat_u8: torch.Tensor) -> bool:
@@ -240,6 +309,26 @@ def aliases(tensor: torch.Tensor, flat_u8: torch.Tensor) -> bool:
 def give_private_storage(tensor: torch.Tensor) -> None:
     """Copy `tensor`'s leaves into storage of its own, in place (same object, same device)."""
     bind_leaves(tensor, {field: leaf.clone() for field, leaf in leaves_of(tensor)})
+
+
+def _non_tensor_params(tensor: torch.Tensor) -> tuple:
+    params = tensor._params
+    tensor_fields = set(params._tensor_fields())
+    return tuple((f.name, getattr(params, f.name)) for f in dataclasses.fields(params)
+                 if f.name not in tensor_fields)
+
+
+def device_wrapper(tensor: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A quantized tensor with `tensor`'s layout and non-tensor params whose leaves are `views`,
+    reporting their device: comfy-kitchen's own constructor `QuantizedTensor(qdata,
+    layout_cls, params)` (0.2.31 with ComfyUI 0.33.0, 0.2.40), nothing of its layout restated.
+    Flagged as a parameter the way `torch.nn.Parameter` flags a tensor subclass."""
+    params = dataclasses.replace(tensor._params,
+                                 **{f: v for f, v in views.items() if f != QDATA})
+    wrapper = type(tensor)(views[QDATA], tensor._layout_cls, params)
+    if getattr(tensor, "_is_param", False):
+        wrapper._is_param = True
+    return wrapper
 
 
 def bind_leaves(tensor: torch.Tensor, views: dict[str, torch.Tensor]) -> None:

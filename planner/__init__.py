@@ -14,7 +14,15 @@ from .hardware import (
     list_profiles,
 )
 from .memory import BlockDims, ChunkSettings, block_activation_peak, choose_chunks
-from .plan import ChunkPlan, DualSagePlan, Plan, PlanRequest, PrefetchPlan, plan_job
+from .plan import (
+    ChunkPlan,
+    DualSagePlan,
+    LoaderPlan,
+    Plan,
+    PlanRequest,
+    PrefetchPlan,
+    plan_job,
+)
 
 __all__ = [
     "OFFICIAL",
@@ -27,6 +35,7 @@ __all__ = [
     "GPUSpec",
     "HardwareProfile",
     "LinkSpec",
+    "LoaderPlan",
     "Plan",
     "PlanRequest",
     "PrefetchPlan",

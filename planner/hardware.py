@@ -59,15 +59,35 @@ class HardwareProfile:
     host_ram_bytes: int
     measured: bool = False  # True when read off the real machine
     notes: tuple[str, ...] = field(default=())
+    rocm_version: tuple[int, int] | None = None  # (major, minor) of a ROCm build of torch
+    torch_version: tuple[int, int] | None = None  # None: assumed new enough (>= 2.8)
 
     @property
     def gpu_count(self) -> int:
         return len(self.gpus)
 
+    def dynamic_vram_default(self) -> tuple[bool, str]:
+        """Whether ComfyUI loads with DynamicVRAM (comfy-aimdo) here when no flag says
+        otherwise, and why: NVIDIA, or ROCm 7.14 and newer, with torch 2.8 or newer (the rule
+        of ComfyUI's main.py, read on 0.33.0 and the newest files)."""
+        if self.torch_version is not None and self.torch_version < (2, 8):
+            version = ".".join(map(str, self.torch_version))
+            return False, f"torch {version} is older than 2.8 (DynamicVRAM needs 2.8)"
+        backends = {gpu.backend for gpu in self.gpus}
+        if backends == {"cuda"}:
+            return True, "NVIDIA: ComfyUI's default loader"
+        if self.rocm_version is None:
+            return False, "ROCm of unknown version: taken as below 7.14 (DynamicVRAM needs 7.14)"
+        version = ".".join(map(str, self.rocm_version))
+        if self.rocm_version >= (7, 14):
+            return True, f"ROCm {version}: ComfyUI's default loader from ROCm 7.14"
+        return False, f"ROCm {version} is below 7.14, where ComfyUI's DynamicVRAM starts"
+
 
 def _pair(gpu: GPUSpec, link: LinkSpec, name: str, description: str, host_ram_gb: int,
-          *notes: str) -> HardwareProfile:
-    return HardwareProfile(name, description, (gpu, gpu), link, host_ram_gb * GiB, notes=notes)
+          *notes: str, rocm: tuple[int, int] | None = None) -> HardwareProfile:
+    return HardwareProfile(name, description, (gpu, gpu), link, host_ram_gb * GiB, notes=notes,
+                           rocm_version=rocm)
 
 
 _PCIE4_X8 = LinkSpec("PCIe 4.0 x8/x8, no peer access", False, 0.0, 12.0, 6.0)
@@ -87,7 +107,8 @@ RTX5090 = GPUSpec("NVIDIA GeForce RTX 5090", 32 * GiB, 190.0, 130.0, 240.0, 1790
 PROFILES: dict[str, HardwareProfile] = {
     "2xR9700": _pair(R9700, _PCIE4_X8, "2xR9700",
                      "2x Radeon AI PRO R9700 32 GB, ROCm, PCIe 4.0 x8/x8, no peer access", 128,
-                     "ROCm: torch.cuda is HIP; comfy-kitchen int8 attention needs RDNA3+ WMMA."),
+                     "ROCm: torch.cuda is HIP; comfy-kitchen int8 attention needs RDNA3+ WMMA.",
+                     rocm=(7, 2)),  # the user's ROCm 7.2.4 (H3_FACTS section 7)
     "2x3060": _pair(RTX3060, _PCIE4_X8_3060, "2x3060", "2x GeForce RTX 3060 12 GB, no peer access",
                     64),
     "2x5060Ti": _pair(RTX5060TI, _PCIE5_X8, "2x5060Ti",
@@ -159,7 +180,20 @@ def detect_hardware(measure_link: bool = False) -> HardwareProfile:
         link = _measure_link(torch, link, len(gpus))
     host_ram = _host_ram_bytes()
     return HardwareProfile("auto", f"this machine: {len(gpus)} GPU(s)", tuple(gpus), link,
-                           host_ram, measured=measure_link)
+                           host_ram, measured=measure_link, rocm_version=_version(
+                               getattr(torch.version, "hip", None)),
+                           torch_version=_version(torch.__version__))
+
+
+def _version(text: str | None) -> tuple[int, int] | None:
+    """'7.2.53211' -> (7, 2); '2.11.0+cu130' -> (2, 11); None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        major, minor = str(text).split("+")[0].split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
 
 
 def _host_ram_bytes() -> int:

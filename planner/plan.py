@@ -5,6 +5,11 @@ read: device placement (text encoder, VAEs and upscaler on the helper GPU0; DiT 
 the root GPU1), whether Dual-Sage pays off and its head split, FFN/QKV chunk sizes, how many DiT
 blocks stay resident and how many stream from pinned host memory, and the predicted peak and
 headroom per GPU per phase. A job that cannot fit is reported with the smallest change that fits.
+
+Residency, streaming and peaks follow the loader that runs (`loader`): ComfyUI's DynamicVRAM
+(NVIDIA, ROCm 7.14+: its VBAR keeps what fits, the rest is cast in each step with its one-block
+prefetch, its own pins), or the legacy loader, where the pack's streamer streams K blocks ahead
+from host copies pinned within the budget.
 """
 
 from __future__ import annotations
@@ -22,8 +27,14 @@ from .hardware import GiB, HardwareProfile, detect_hardware, get_profile
 from .memory import BlockDims, ChunkSettings, block_activation_peak, choose_chunks
 from .parallel import MODES as PARALLEL_MODES
 from .parallel import ParallelPlan, plan_parallel
+from .residency import (
+    RESIDENT_NEEDS_LEGACY,
+    LoaderPlan,
+    PrefetchPlan,
+    plan_loader,
+    plan_prefetch,
+)
 
-LOOKAHEAD = 2  # copies run 2 streamed blocks ahead, into K + 1 = 3 device slots
 TURBO_LORA_RANK = 128  # the rank of the built-in LoRA size (the 8-step turbo LoRA)
 TEXT_ENCODER_WORKSPACE = int(0.75 * GiB)
 
@@ -49,6 +60,12 @@ class PlanRequest:
     fused_swiglu: bool = False  # ComfyUI's linear_input_act; the twin materialises silu
     quantized_attention: bool = False  # INT8-QK attention backend (ck_int8, triton_sage)
     pinned_fraction: float = 0.5  # share of host RAM the pinned arena may take
+    # ComfyUI's DynamicVRAM loader: "auto" (on for NVIDIA, ROCm 7.14+), "on" or "off" (the
+    # legacy loader: ROCm below 7.14, --disable-dynamic-vram, --highvram, --gpu-only, ...)
+    dynamic_vram: str = "auto"
+    # page-lockable host memory: ComfyUI's pin budget inside ComfyUI (MAX_PINNED_MEMORY); None
+    # = pinned_fraction of the profile's RAM
+    pinned_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         # numpy integers (a width read from an array) are accepted and stored as ints
@@ -67,7 +84,7 @@ class PlanRequest:
             geometry.snap_frames(self.seconds)
         if self.dit_dtype not in ("int8", "bf16"):
             raise ValueError(f"dit_dtype {self.dit_dtype!r} is not known; use 'int8' or 'bf16'")
-        for name in ("dual_sage", "chunking", "decode"):
+        for name in ("dual_sage", "chunking", "decode", "dynamic_vram"):
             value = getattr(self, name)
             allowed = ("auto", "on", "off")
             if value not in allowed:
@@ -90,6 +107,13 @@ class PlanRequest:
         if not (isinstance(self.pinned_fraction, (int, float))
                 and 0.0 < self.pinned_fraction <= 0.9):
             raise ValueError(f"pinned_fraction={self.pinned_fraction} must be in (0, 0.9]")
+        budget = self.pinned_budget_bytes
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                                   or budget < 0):
+            raise ValueError(f"pinned_budget_bytes={budget!r} must be a byte count >= 0 (0 = "
+                             "nothing pinned) or None (pinned_fraction of the host RAM)")
+        if self.resident_blocks is not None and self.dynamic_vram == "on":
+            raise ValueError(RESIDENT_NEEDS_LEGACY.format(n=self.resident_blocks, why="requested"))
         if self.dit_file is not None and not isinstance(self.dit_file, (str, os.PathLike)):
             raise ValueError(f"dit_file={self.dit_file!r} must be a path to a .safetensors file")
 
@@ -114,18 +138,6 @@ class ChunkPlan:
     qkv_chunk: int
     head_group: int
     reason: str
-
-
-@dataclass(frozen=True)
-class PrefetchPlan:
-    resident_blocks: int
-    streamed_blocks: int
-    lookahead: int
-    pinned_budget_bytes: int
-    source: str  # "none" | "pinned" | "pinned+pageable"
-    reason: str
-    streamed_refiner_blocks: int = 0  # the token refiner's, streamed once per run with them
-    staged_blocks: int = 0  # host copies past the pinned budget, through the staging ring
 
 
 @dataclass
@@ -178,6 +190,7 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)
     parallel: ParallelPlan | None = None
     decode: DecodePlan | None = None
+    loader: LoaderPlan | None = None
 
     @property
     def fits(self) -> bool:
@@ -224,6 +237,7 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
     A job that does not fit gets `suggestions` (set `suggest=False` to skip that search).
     """
     profile = _resolve_profile(request.profile)
+    loader = plan_loader(request, profile)
     sizes = _sizes(request)
     frames = request.frame_count
     pass1 = geometry.PassGeometry(request.pass1_width, request.pass1_height, frames)
@@ -237,13 +251,14 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
 
     # 1. Dual-Sage: does sharding heads over the link pay off at PASS2's length?
     dual = _plan_dual_sage(request, profile, root, helpers, tokens["pass2"])
-    layout = _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2)
+    layout = _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2,
+                        loader)
     if dual.enabled and request.dual_sage == "auto" and not _root_fits(layout, root):
         # the root-side gather buffer of the helper heads is what tips it over: go without
         dual = replace(_DUAL_OFF, min_tokens=dual.min_tokens, reason=(
             "would not leave room on the root GPU for the helper heads' q/k/v gather buffer"))
         layout = _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1,
-                            pass2)
+                            pass2, loader)
     chunks, chunk_reason, prefetch, gpus, notes = layout
     placement = {"text_encoder": helpers[0] if multi else root,
                  "video_vae": helpers[0] if multi else root,
@@ -265,7 +280,7 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
 
     plan = Plan(request, profile, sizes, pass1, pass2, root, helpers, placement, dual,
                 ChunkPlan(chunks.ffn_chunk, chunks.qkv_chunk, chunks.head_group, chunk_reason),
-                prefetch, gpus, step, single, notes, parallel=parallel)
+                prefetch, gpus, step, single, notes, parallel=parallel, loader=loader)
     plan.notes.extend(_range_notes(request, profile, pass1, pass2, root, helpers))
     # 4. The video decode: the VAE's GPU alone, or its windows shared with the other GPUs.
     plan.decode = _plan_decode(plan)
@@ -333,7 +348,8 @@ def _range_notes(request: PlanRequest, profile: HardwareProfile, pass1, pass2, r
     return notes
 
 
-def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2):
+def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1, pass2,
+               loader):
     """Chunking and residency on the root GPU from what is left after the fixed weights."""
     root_gpu = profile.gpus[root]
     lora = request.lora_rank > 0
@@ -352,7 +368,7 @@ def _plan_root(request, profile, sizes, dims, tokens, dual, root, helpers, pass1
     chunks, chunk_reason = _plan_chunks(request, dims, tokens["pass2"], budget - all_blocks,
                                         peak_kwargs)
     act = {p: block_activation_peak(tokens[p], dims, chunks, **peak_kwargs) for p in tokens}
-    prefetch = _plan_prefetch(request, profile, sizes, budget - act["pass2"].peak_bytes)
+    prefetch = plan_prefetch(request, sizes, budget - act["pass2"].peak_bytes, loader, root)
     notes: list[str] = []
     gpus = _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1, pass2,
                       notes)
@@ -425,58 +441,17 @@ def _dit_fixed_bytes(sizes: ComponentSizes) -> int:
     return max(0, sizes.dit_other_bytes - geometry.REFINER_BLOCKS * sizes.dit_block_bytes)
 
 
-def _plan_prefetch(request: PlanRequest, profile: HardwareProfile, sizes: ComponentSizes,
-                   free_for_blocks: int) -> PrefetchPlan:
-    block = sizes.dit_block_bytes
-    refiner = geometry.REFINER_BLOCKS
-    forced = request.resident_blocks is not None
-    if forced:
-        resident = request.resident_blocks
-    else:
-        # offload/'s own arithmetic: all blocks, or the count that leaves room for K + 1 slots
-        resident = offload_sizing.resident_blocks_for_budget(
-            max(free_for_blocks, 0), blocks=geometry.BLOCKS, block_bytes=block,
-            lookahead=LOOKAHEAD, extra_streamed=refiner)
-    streamed = geometry.BLOCKS - resident
-    need = offload_sizing.streamed_weight_vram_bytes(
-        blocks=geometry.BLOCKS, resident=resident, block_bytes=block, lookahead=LOOKAHEAD,
-        extra_streamed=refiner)
-    short = (f"; {resident} resident blocks as requested need {need / GiB:.1f} GiB for block "
-             f"weights, {max(free_for_blocks, 0) / GiB:.1f} GiB are left beside the "
-             f"activations: DOES NOT FIT" if forced and need > free_for_blocks else "")
-    if streamed == 0:
-        reason = ("all 50 blocks resident, as requested" if forced
-                  else "all 50 blocks fit on the root GPU")
-        return PrefetchPlan(resident, 0, 0, 0, "none", reason + short)
-    # what the runtime streams: the DiT blocks and the refiner's, each host copy a flat buffer
-    # a little larger than its tensors (alignment); its pinned budget rule is arena_split's
-    count = streamed + refiner
-    flat = block + offload_sizing.ARENA_SLACK_PER_BLOCK
-    host_budget = int(profile.host_ram_bytes * request.pinned_fraction)
-    reason = (f"{streamed} blocks and the token refiner's {refiner} "
-              f"({count * block / GiB:.1f} GiB) stream from host memory {LOOKAHEAD} blocks "
-              f"ahead (the refiner once per sampling run)")
-    if count * flat <= host_budget:
-        return PrefetchPlan(resident, streamed, LOOKAHEAD, count * flat, "pinned",
-                            reason + ", all pinned" + short, refiner, 0)
-    split = offload_sizing.arena_split([flat] * count, host_budget)
-    reason += (f"; the {host_budget / GiB:.0f} GiB pinned budget holds "
-               f"{count - split.staged_blocks} of them and the pinned staging ring "
-               f"({split.staging_bytes / GiB:.1f} GiB), {split.staged_blocks} go through the "
-               f"ring from pageable memory")
-    return PrefetchPlan(resident, streamed, LOOKAHEAD, host_budget, "pinned+pageable",
-                        reason + short, refiner, split.staged_blocks)
-
-
 def _gpu_plans(profile, sizes, root, helpers, act, prefetch, dual, tokens, pass1, pass2,
                notes):
     from .sizing import dual_sage_helper_workspace, upscale_workspace
 
     gpus = []
+    # resident blocks plus the block-sized buffers of whoever streams (the pack's K + 1 slots,
+    # or DynamicVRAM's running and next-staged block)
     dit_weights = _dit_fixed_bytes(sizes) + sizes.lora_bytes + \
         offload_sizing.streamed_weight_vram_bytes(
             blocks=geometry.BLOCKS, resident=prefetch.resident_blocks,
-            block_bytes=sizes.dit_block_bytes, lookahead=LOOKAHEAD,
+            block_bytes=sizes.dit_block_bytes, lookahead=max(prefetch.lookahead, 1),
             extra_streamed=geometry.REFINER_BLOCKS)
     for index, spec in enumerate(profile.gpus):
         is_root, is_helper = index == root, index in helpers or not helpers
@@ -547,10 +522,16 @@ def _step_time(tokens, profile, root, helpers, dual, prefetch, sizes, quantized)
     block = linear + attention
     copy = timing.block_copy_time_s(sizes.dit_block_bytes, profile.link,
                                     pinned=prefetch.source == "pinned")
-    # resident blocks are spread among streamed ones, giving each copy more compute to hide in
-    overhead = offload_sizing.step_overhead_seconds(
-        blocks=geometry.BLOCKS, streamed=prefetch.streamed_blocks, block_compute_s=block,
-        block_copy_s=copy)
+    if prefetch.streamer == "comfyui":
+        # DynamicVRAM stages one block ahead: each copy hides behind one block's compute
+        overhead = offload_sizing.one_ahead_overhead_seconds(
+            streamed=prefetch.streamed_blocks, block_compute_s=block, block_copy_s=copy)
+    else:
+        # resident blocks are spread among streamed ones, giving each copy more compute to
+        # hide in
+        overhead = offload_sizing.step_overhead_seconds(
+            blocks=geometry.BLOCKS, streamed=prefetch.streamed_blocks, block_compute_s=block,
+            block_copy_s=copy)
     return geometry.BLOCKS * block + overhead
 
 

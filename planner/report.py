@@ -59,6 +59,8 @@ def render_report(plan: Plan) -> str:
                      f"{ch.head_group} heads per attention call -- {ch.reason}")
     else:
         lines.append(f"  chunking: off -- {ch.reason}")
+    if plan.loader is not None:
+        lines.append(f"  loader: {plan.loader.describe()}")
     lines.append(f"  DiT blocks: {pf.resident_blocks} resident, {pf.streamed_blocks} streamed"
                  f" -- {pf.reason}")
     if plan.parallel is not None:
@@ -128,7 +130,14 @@ def plan_to_dict(plan: Plan) -> dict:
                      "streamed_blocks": plan.prefetch.streamed_blocks,
                      "lookahead": plan.prefetch.lookahead,
                      "pinned_budget_bytes": plan.prefetch.pinned_budget_bytes,
-                     "source": plan.prefetch.source, "reason": plan.prefetch.reason},
+                     "source": plan.prefetch.source, "reason": plan.prefetch.reason,
+                     "streamer": plan.prefetch.streamer,
+                     "streamed_refiner_blocks": plan.prefetch.streamed_refiner_blocks,
+                     "staged_blocks": plan.prefetch.staged_blocks},
+        "loader": None if plan.loader is None else {
+            "mode": plan.loader.mode, "reason": plan.loader.reason,
+            "pinned_budget_bytes": plan.loader.pinned_budget_bytes,
+            "pinned_budget_source": plan.loader.pinned_budget_source},
         "parallel": None if plan.parallel is None else {
             "requested": plan.parallel.requested, "transport": plan.parallel.transport,
             "row_weights": list(plan.parallel.row_weights),

@@ -37,6 +37,7 @@ from ..chunking.h3_ops import H3Ops, activation_adapter_ranks
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
+from ..offload.comfy_memory import free_vram_bytes
 from . import sizing
 from .runner import SequenceRunner, SplitState, device_current
 from .split import SequenceSplit
@@ -596,14 +597,8 @@ def _prefetch_in(options: dict) -> Any:
 
 
 def _free_bytes(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if fraction is not None:
-        cap = int(total * fraction(device)) - torch.cuda.memory_reserved(device)
-        free = min(free, cap)
-    return max(free, 0)
+    # ComfyUI's count inside ComfyUI (DynamicVRAM's evictable memory included), torch's outside
+    return free_vram_bytes(device)
 
 
 def _ask_comfy_to_free(device: torch.device, nbytes: int) -> None:

@@ -3,9 +3,10 @@
 The sequence mode runs each block's own module code on every GPU, so a helper needs the block's
 tensors on its device. The module objects stay the root's (state-dict keys, LoRA patching,
 bypass adapters and ComfyUI's weight casts keep working); while the host queues a helper's
-kernels, the block's tensors are pointed at the helper's copy (`.data` of plain tensors,
-`_qdata`/scales of quantized ones, as `offload.weights` binds streamed blocks) and pointed back
-right after. Queued kernels hold their own pointers, so swapping back never disturbs them.
+kernels, the block's tensors are pointed at the helper's copy (`BlockWeights.swap_in`: `.data`
+of plain tensors, a wrapper on the helper's device for quantized ones, as the prefetcher binds
+its slots) and pointed back right after. Queued kernels hold their own pointers, so swapping
+back never disturbs them.
 
 Two sources:
 - `replica`: one flat buffer per block on the helper (the `offload.weights` layout), filled from
@@ -33,31 +34,10 @@ from ..guard.device import device_context
 from ..offload.arena import HostArena, HostBuffer
 from ..offload.engine import make_engine
 from ..offload.slots import SlotRing
-from ..offload.weights import BlockWeights, bind_leaves, is_quantized, leaves_of
+from ..offload.weights import BlockWeights, leaves_of
 
 REPLICA = "replica"
 STREAM = "stream"
-
-
-def bind_saving(tensors: list[torch.Tensor], views: list[dict[str, torch.Tensor]]) -> list:
-    """Point each tensor at its views; return what restores the previous binding."""
-    saved = []
-    for tensor, fields in zip(tensors, views, strict=True):
-        if is_quantized(tensor):
-            saved.append((tensor, tensor._qdata, tensor._params))
-        else:
-            saved.append((tensor, tensor.data, None))
-        bind_leaves(tensor, fields)
-    return saved
-
-
-def restore(saved: list) -> None:
-    for tensor, data, params in reversed(saved):
-        if params is not None:
-            tensor._qdata = data
-            tensor._params = params
-        else:
-            tensor.data = data
 
 
 class HelperWeights:
@@ -169,11 +149,13 @@ class HelperWeights:
         """Block `index`'s tensors point at this helper's copy inside (host side only)."""
         flat = self._flat(index)
         weights = self.weights[index]
-        saved = bind_saving(weights.tensors(), weights.views(flat))
+        # offload's binding: quantized tensors report the helper's device while bound (a
+        # wrapper built there), so ComfyUI's cast does not copy them to it on every call
+        saved = weights.swap_in(flat)
         try:
             yield
         finally:
-            restore(saved)
+            weights.restore(saved)
 
     def begin(self, index: int) -> None:
         """Before block `index`'s first helper kernel: its copy is in a slot (stream mode)."""

@@ -102,6 +102,50 @@ def import_comfyui_or_skip(path: str | os.PathLike | None = None) -> ModuleType:
         pytest.skip(str(exc))
 
 
+def enable_dynamic_vram(vram_headroom_bytes: int = 0) -> ModuleType:
+    """Run this process's ComfyUI with DynamicVRAM (comfy-aimdo), as its main.py switches it on
+    (0.33.0 and the newest files), and return the `comfy` package:
+    `comfy_aimdo.control.init()` before ComfyUI's modules import comfy-aimdo's (each reads the
+    library when imported), `init_devices` for every GPU (with `vram_headroom_bytes`, main.py's
+    --vram-headroom), `CoreModelPatcher = ModelPatcherDynamic`, `aimdo_enabled = True`.
+
+    Call it before anything imports ComfyUI in this process (`tests/dynamic_vram_cases.py` runs
+    in a process of its own). Raises ComfyUIUnavailable with the reason when DynamicVRAM cannot
+    run here: no CUDA/ROCm GPU, comfy-aimdo missing or refusing, ComfyUI imported without it.
+    """
+    if not torch.cuda.is_available():
+        raise ComfyUIUnavailable("DynamicVRAM needs a CUDA/ROCm GPU (comfy-aimdo)")
+    try:
+        import comfy_aimdo.control as control
+    except ImportError as exc:
+        raise ComfyUIUnavailable(f"comfy-aimdo is not installed ({exc}): pip install "
+                                 "comfy-aimdo (a ComfyUI requirement)") from exc
+    if control.lib is None and "comfy.model_management" in sys.modules:
+        raise ComfyUIUnavailable("ComfyUI was imported in this process before DynamicVRAM was "
+                                 "switched on: run the DynamicVRAM tests in a process of their "
+                                 "own (tests/test_dynamic_vram_gpu.py starts one)")
+    ready = False
+    for kwargs in ({"nvml_pressure": True}, {}):  # comfy-aimdo 0.4.10+, then 0.4.9's protocol
+        try:
+            ready = control.init(**kwargs)
+            break
+        except TypeError:
+            continue
+    if not ready:
+        raise ComfyUIUnavailable("comfy-aimdo did not load its library (see the log)")
+    comfy = import_comfyui()
+    devices = comfy.model_management.get_all_torch_devices()
+    try:
+        ready = control.init_devices((d.index, int(vram_headroom_bytes)) for d in devices)
+    except TypeError:  # comfy-aimdo 0.4.9
+        ready = control.init_devices(d.index for d in devices)
+    if not ready:
+        raise ComfyUIUnavailable("comfy-aimdo refused the GPUs (init_devices returned False)")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    return comfy
+
+
 # ---------------------------------------------------------------------------------------------
 # The tiny real model
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from comfyui_h3 import (
 
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
 from h3_multigpu.offload.arena import live_host_bytes
+from h3_multigpu.offload.comfy_memory import free_vram_bytes
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.multi_gpu,
               pytest.mark.usefixtures("fresh_comfyui")]
@@ -156,7 +157,7 @@ def test_auto_residency_decided_before_the_load_streams_what_does_not_fit():
     unload_all()
     block = max(t.nelement() * t.element_size()
                 for t in [base.model.diffusion_model.blocks[0].mlp.fc1.weight]) * 2
-    free = torch.cuda.mem_get_info(torch.device(ROOT))[0]
+    free = free_vram_bytes(ROOT, base)  # the query the prefetcher's 'auto' asks (ComfyUI's)
     # leave room for about 6 of the 12 blocks: 'auto' keeps 2-3 resident beside the 3 slots
     config = PrefetchConfig(activation_reserve_bytes=max(0, free - 6 * block))
     patcher = apply_block_prefetch(base, config)

@@ -347,8 +347,8 @@ def test_unpin_and_repin_in_place(monkeypatch):
     from h3_multigpu.offload import arena
 
     locked: set[int] = set()
-    monkeypatch.setattr(arena, "page_lock", lambda r: locked.add(r.data_ptr()) or True)
-    monkeypatch.setattr(arena, "page_unlock", lambda r: locked.discard(r.data_ptr()))
+    monkeypatch.setattr(arena, "pin_host", lambda r: (locked.add(r.data_ptr()) or True, False))
+    monkeypatch.setattr(arena, "unpin_host", lambda r, booked: locked.discard(r.data_ptr()))
     blocks = make(4)
     x = torch.randn(5, 8)
     ref = run(blocks, None, x)

@@ -1,6 +1,8 @@
 """The planner's prefetch decisions agree with what the streamer does at run time: the token
 refiner's blocks stream with the DiT's, the pinned budget covers them and the staging ring,
-the LoRA rank moves memory, and a forced residency that does not fit says so."""
+the LoRA rank moves memory, and a forced residency that does not fit says so. These plan the
+legacy loader (`dynamic_vram="off"`), where the pack's streamer runs; `test_planner_loader.py`
+plans ComfyUI's DynamicVRAM."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ def _runtime_blocks(plan) -> list[int]:
 
 
 def test_the_plans_pinned_budget_pins_every_block_the_runtime_streams():
-    plan = plan_job(PlanRequest(width=1312, height=736, seconds=10, profile="2x5060Ti"))
+    plan = plan_job(PlanRequest(width=1312, height=736, seconds=10, profile="2x5060Ti",
+                                dynamic_vram="off"))
     pf = plan.prefetch
     assert pf.streamed_blocks > 0 and pf.streamed_refiner_blocks == geometry.REFINER_BLOCKS
     assert pf.source == "pinned" and pf.staged_blocks == 0
@@ -35,7 +38,8 @@ def test_the_plans_pinned_budget_pins_every_block_the_runtime_streams():
 
 def test_past_the_host_budget_the_plan_counts_the_staged_blocks_as_the_runtime_does():
     profile = replace(get_profile("2x5060Ti"), host_ram_bytes=16 * GiB)
-    plan = plan_job(PlanRequest(width=1312, height=736, seconds=10, profile=profile))
+    plan = plan_job(PlanRequest(width=1312, height=736, seconds=10, profile=profile,
+                                dynamic_vram="off"))
     pf = plan.prefetch
     assert pf.source == "pinned+pageable" and pf.staged_blocks > 0
     split = sizing.arena_split(_runtime_blocks(plan), pf.pinned_budget_bytes)
@@ -60,7 +64,7 @@ def test_lora_rank_moves_memory():
 @pytest.mark.parametrize("resident", [50, 40])
 def test_a_forced_residency_that_does_not_fit_says_so(resident):
     plan = plan_job(PlanRequest(width=1312, height=736, seconds=10, profile="2x5060Ti",
-                                resident_blocks=resident), suggest=False)
+                                resident_blocks=resident, dynamic_vram="off"), suggest=False)
     assert not plan.fits
     assert "fit on the root GPU" not in plan.prefetch.reason
     assert "DOES NOT FIT" in plan.prefetch.reason and "as requested" in plan.prefetch.reason
@@ -68,5 +72,5 @@ def test_a_forced_residency_that_does_not_fit_says_so(resident):
 
 def test_a_forced_residency_that_fits_is_not_flagged():
     plan = plan_job(PlanRequest(width=1312, height=736, seconds=5, profile="2xH200",
-                                resident_blocks=50))
+                                resident_blocks=50, dynamic_vram="off"))
     assert plan.fits and plan.prefetch.reason == "all 50 blocks resident, as requested"
