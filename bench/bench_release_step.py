@@ -62,32 +62,15 @@ def latent_sizes(width: int, height: int, frames: int) -> tuple[tuple[int, int, 
     return (latent_frames(frames), height // 16, width // 16), audio_latent_steps(frames)
 
 
-def enable_dynamic_vram(cap_bytes: int | None) -> bool:
-    """What ComfyUI's main.py does to switch DynamicVRAM on (comfy-aimdo, one device)."""
-    import comfy.cli_args
-    import comfy.memory_management
-    import comfy.model_management as mm
-    import comfy.model_patcher
-    import comfy_aimdo.control
-
-    try:
-        comfy_aimdo.control.init(simple_vram_headroom=None, nvml_pressure=True)
-    except TypeError:
-        comfy_aimdo.control.init()
-    devices = []
-    for d in mm.get_all_torch_devices():
-        headroom = int(comfy.cli_args.args.vram_headroom * GIB)
-        if cap_bytes is not None:
-            headroom += max(0, torch.cuda.get_device_properties(d).total_memory - cap_bytes)
-        devices.append((d.index, headroom))
-    if not comfy_aimdo.control.init_devices(devices):
-        return False
-    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
-    comfy.memory_management.aimdo_enabled = True
-    return True
+def headroom_for_cap(cap_gib: float | None) -> int:
+    """Bytes a card of `cap_gib` lacks against this GPU (0 without a cap)."""
+    if cap_gib is None:
+        return 0
+    return max(0, torch.cuda.get_device_properties(0).total_memory - int(cap_gib * GIB))
 
 
 def apply_cap(cap_gib: float) -> int:
+    """Emulate a card of `cap_gib`: torch's allocator capped, ComfyUI reserving the rest."""
     import comfy.model_management as mm
 
     total = torch.cuda.get_device_properties(0).total_memory
@@ -187,17 +170,32 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     if not cuda:
         comfy.cli_args.args.cpu = True
-    from comfyui_h3 import TinyH3Config, import_comfyui, load_dit, make_inputs, unload_all
+    from comfyui_h3 import (
+        ComfyUIUnavailable,
+        TinyH3Config,
+        enable_dynamic_vram,
+        import_comfyui,
+        load_dit,
+        make_inputs,
+        unload_all,
+    )
 
+    # DynamicVRAM before anything imports ComfyUI (comfy-aimdo's modules read its library when
+    # they are imported), with a capped card's missing memory as comfy-aimdo's headroom
+    dynamic = False
+    if cuda and args.dynamic != "off":
+        try:
+            enable_dynamic_vram(headroom_for_cap(args.cap_gib))
+            dynamic = True
+        except ComfyUIUnavailable as exc:
+            if args.dynamic == "on":
+                raise SystemExit(f"DynamicVRAM was asked for: {exc}") from exc
+            print(f"DynamicVRAM off: {exc}", flush=True)
     import_comfyui()
     import comfy.model_management as mm
 
-    cap = apply_cap(args.cap_gib) if (cuda and args.cap_gib) else None
-    dynamic = False
-    if cuda and args.dynamic != "off":
-        dynamic = enable_dynamic_vram(cap)
-        if args.dynamic == "on" and not dynamic:
-            raise SystemExit("DynamicVRAM was asked for but comfy-aimdo did not initialise")
+    if cuda and args.cap_gib:
+        apply_cap(args.cap_gib)
     path = checkpoint(args)
     thw, audio_t = latent_sizes(args.width, args.height, args.frames)
     text_dim = 5120 if args.size == "full" else TinyH3Config().text_dim
