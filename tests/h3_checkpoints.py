@@ -26,6 +26,7 @@ rotated Gaussian is a Gaussian, and the loader and kernels only read the flag.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -118,8 +119,8 @@ def _random_value(name: str, shape: tuple[int, ...], gen: torch.Generator,
         return randn.mul_(0.02)
     if name.endswith("adaln_t_table"):
         return randn.mul_(0.5)
-    if len(shape) >= 2:
-        return randn.div_(shape[-1] ** 0.5)
+    if len(shape) >= 2:  # linear [out, in] or convolution [out, in, *kernel]: 1/sqrt(fan-in)
+        return randn.div_(math.prod(shape[1:]) ** 0.5)
     return randn.mul_(0.1)
 
 
