@@ -72,3 +72,86 @@ def make_bed(root: Path, api_paths=None) -> tuple[str, ...]:
     lines += [f"  {folder}: {folder}" for folder in sorted(set(folders))]
     config.write_text("\n".join(lines) + "\n")
     return ("--extra-model-paths-config", str(config), "--input-directory", str(inputs))
+
+
+# ---------------------------------------------------------------------------------------------
+# The node schemas the workflows are checked against, one set per ComfyUI release
+# ---------------------------------------------------------------------------------------------
+
+DATA = Path(__file__).resolve().parent / "data"
+# release -> the core schemas it serves (this pack's own are object_info_pack.json for both)
+RELEASES = {"newest": "object_info_h3.json", "0.33.0": "object_info_033.json"}
+BUILT_FROM = "newest"  # workflows/build_workflows.py lays the files out for these
+PACK_SCHEMAS = "object_info_pack.json"
+
+
+def saved_schemas(release: str = BUILT_FROM) -> dict:
+    """Core and pack schemas of `release` as saved in tests/data/ (file lists empty)."""
+    core = json.loads((DATA / RELEASES[release]).read_text())["served"]
+    pack = json.loads((DATA / PACK_SCHEMAS).read_text())["served"]
+    return {**core, **pack}
+
+
+def built_schemas() -> dict:
+    return saved_schemas(BUILT_FROM)
+
+
+def _input_essence(kind, opts: dict):
+    """What of one input decides how a workflow lays it out and whether its value is valid:
+    its type (a combo is COMBO, its options aside: they grow and hold the models folder), the
+    editor's extra widgets, the range, and a dynamic input's structure."""
+    opts = opts if isinstance(opts, dict) else {}
+    out = {"type": "COMBO" if isinstance(kind, list) else kind}
+    for key in ("forceInput", "image_upload", "multiselect", "min", "max"):
+        if opts.get(key) not in (None, False):
+            out[key] = opts[key]
+    if opts.get("control_after_generate"):  # "fixed" (0.33.0) and true (newest) alike
+        out["control_after_generate"] = True
+    if kind == "COMFY_DYNAMICCOMBO_V3":
+        out["options"] = [(o.get("key"), _inputs_essence(o.get("inputs") or {}))
+                          for o in opts.get("options") or []]
+    if kind == "COMFY_AUTOGROW_V3":
+        template = opts.get("template") or {}
+        out["template"] = {k: template.get(k) for k in ("prefix", "names", "min", "max")}
+        out["template"]["input"] = _inputs_essence(template.get("input") or {})
+    return out
+
+
+def _inputs_essence(inputs: dict) -> dict:
+    return {section: {name: _input_essence(spec[0] if spec else None,
+                                           spec[1] if len(spec) > 1 else {})
+                      for name, spec in (inputs.get(section) or {}).items()}
+            for section in ("required", "optional") if inputs.get(section)}
+
+
+def schema_essence(entry: dict) -> dict:
+    """What matters of a node's /object_info entry for the workflows: inputs (as above), their
+    order, hidden inputs' names, output types, whether it is an output node. Display names,
+    tooltips, categories and the fields releases add (dev_only, essentials_category,
+    search_aliases, price_badge, ...) are left out."""
+    inputs = entry.get("input") or {}
+    return {"input": _inputs_essence(inputs),
+            "hidden": sorted(inputs.get("hidden") or {}),
+            "input_order": {k: v for k, v in (entry.get("input_order") or {}).items()
+                            if k in ("required", "optional")},
+            "output": list(entry.get("output") or []),
+            "output_node": bool(entry.get("output_node"))}
+
+
+def schema_differences(served: dict, saved: dict) -> list[str]:
+    """Classes of `saved` the server does not serve, or serves with another essence."""
+    out = []
+    for name, entry in saved.items():
+        if name not in served:
+            out.append(f"{name}: not served")
+        elif schema_essence(served[name]) != schema_essence(entry):
+            out.append(f"{name}: {schema_essence(served[name])} != {schema_essence(entry)}")
+    return out
+
+
+def served_release(served: dict) -> tuple[str | None, dict[str, list[str]]]:
+    """(the release whose saved schemas the server serves, or None; each release's
+    differences)."""
+    differences = {r: schema_differences(served, saved_schemas(r)) for r in RELEASES}
+    match = next((r for r, d in differences.items() if not d), None)
+    return match, differences
