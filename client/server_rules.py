@@ -49,7 +49,7 @@ def convert(kind: Any, value: Any) -> tuple[Any, str | None]:
     try:
         return cast(value), None
     except (TypeError, ValueError, OverflowError) as exc:
-        return None, f"is not a {kind} ({exc})"
+        return None, f"is not {_an(kind)} ({exc})"
 
 
 def check_literal(kind: Any, opts: dict, value: Any, self_checked: bool = False
@@ -60,7 +60,7 @@ def check_literal(kind: Any, opts: dict, value: Any, self_checked: bool = False
     and option checks (the node checks it when the prompt is queued)."""
     converted, error = convert(kind, value)
     if error:
-        return f"= {value!r} {error}; give a {kind}", None
+        return f"= {value!r} {error}; give {_an(kind)}", None
     if self_checked:
         return None, None
     low, high = opts.get("min"), opts.get("max")
@@ -80,6 +80,10 @@ def check_literal(kind: Any, opts: dict, value: Any, self_checked: bool = False
         return (f"= {value!r} is not offered by the server (it would queue it and fail when "
                 f"the node runs)"), None
     return None, _lossy(kind, value, converted)
+
+
+def _an(kind: str) -> str:
+    return f"{'an' if kind[:1] in 'AEIOU' else 'a'} {kind}"
 
 
 def _less(a: Any, b: Any) -> bool:

@@ -179,9 +179,10 @@ def _check_node(prompt: ApiPrompt, object_info: dict, where: str, class_type: st
             notes += noted
     if ignored:
         known = sorted(n for n in declared if "." not in n)
+        them = "it" if len(ignored) == 1 else "them"
         notes.append(Problem(where, f"{class_type} on this server has no input "
-                             f"{', '.join(repr(n) for n in ignored)}, so the server ignores it "
-                             f"(its inputs: {', '.join(known) or 'none'}); a workflow made for "
+                             f"{', '.join(repr(n) for n in ignored)}; the server ignores {them} "
+                             f"(its inputs: {', '.join(known) or 'none'}). A workflow made for "
                              f"another ComfyUI release may carry inputs this one lacks"))
     if is_h3_class(class_type):
         problems += _check_geometry(where, inputs)

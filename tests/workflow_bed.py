@@ -155,3 +155,95 @@ def served_release(served: dict) -> tuple[str | None, dict[str, list[str]]]:
     differences = {r: schema_differences(served, saved_schemas(r)) for r in RELEASES}
     match = next((r for r, d in differences.items() if not d), None)
     return match, differences
+
+
+def with_files(info: dict, api_paths=None) -> dict:
+    """`info` as a server with the workflows' model files and images installed serves it."""
+    info = json.loads(json.dumps(info))
+    files = needed_files(api_paths or sorted((WORKFLOWS / "api").glob("*.json")))
+    folder_of = {key: folder for key, folder in LOADERS.values()}
+    folder_of["image"] = "input"
+    for entry in info.values():
+        for section in ("required", "optional"):
+            for name, spec in (entry["input"].get(section) or {}).items():
+                if name in folder_of and (isinstance(spec[0], list) or spec[0] == "COMBO"):
+                    names = sorted(files.get(folder_of[name], ()))
+                    if isinstance(spec[0], list):
+                        spec[0] = sorted(set(spec[0]) | set(names))
+                    else:
+                        spec[1]["options"] = sorted(set(spec[1]["options"]) | set(names))
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Deliberately bad (and surprising but good) values, one per way the server checks an input:
+# the default suite checks the client against the saved schemas, test_workflows_comfyui.py
+# checks the server and the client against each other. All go into the t2v graph's nodes
+# (each feeds Save Video, so the server checks it).
+# ---------------------------------------------------------------------------------------------
+
+MISSING = object()  # the input is removed
+
+
+class Edit:
+    """Set `name` of the first node of `class_type` (or the one titled `title`) to `value`;
+    `server_error` is the error type the server answers with (None: it accepts the value)."""
+
+    def __init__(self, label: str, class_type: str, name: str, value, server_error: str | None,
+                 title: str | None = None):
+        self.label, self.class_type, self.name, self.value = label, class_type, name, value
+        self.server_error, self.title = server_error, title
+
+    def __repr__(self) -> str:
+        return self.label
+
+    def apply(self, api: dict) -> str:
+        """Edit `api` in place; return the id of the node edited."""
+        node_id = next(i for i, n in api.items() if n["class_type"] == self.class_type
+                       and (self.title is None or n["_meta"]["title"] == self.title))
+        inputs = api[node_id]["inputs"]
+        if self.value is MISSING:
+            del inputs[self.name]
+        elif isinstance(self.value, LinkTo):
+            source = next(i for i, n in api.items() if n["_meta"]["title"] == self.value.title)
+            inputs[self.name] = [source, self.value.slot]
+        else:
+            inputs[self.name] = self.value
+        return node_id
+
+
+class LinkTo:
+    def __init__(self, title: str, slot: int):
+        self.title, self.slot = title, slot
+
+
+REFUSED = [
+    Edit("INT above its max", "PrimitiveInt", "value", 2 ** 63, "value_bigger_than_max",
+         title="Seed"),
+    Edit("FLOAT below its min", "BasicScheduler", "denoise", -0.5, "value_smaller_than_min",
+         title="PASS2 Schedule"),
+    Edit("a string where an INT is wanted", "PrimitiveInt", "value", "twelve",
+         "invalid_input_type", title="Seed"),
+    Edit("a string where a FLOAT is wanted", "BasicScheduler", "denoise", "0,3",
+         "invalid_input_type", title="PASS2 Schedule"),
+    Edit("nothing where an INT is wanted", "PrimitiveInt", "value", None,
+         "invalid_input_type", title="PASS1 Steps"),
+    Edit("a combo option not offered", "KSamplerSelect", "sampler_name", "euler_turbo",
+         "value_not_in_list"),
+    Edit("a model file not installed", "UNETLoader", "unet_name", "h3_dit_v2.safetensors",
+         "value_not_in_list"),
+    Edit("a missing required input", "BasicScheduler", "scheduler", MISSING,
+         "required_input_missing", title="PASS1 Schedule"),
+    Edit("a link of the wrong type", "BasicGuider", "conditioning",
+         LinkTo("Multi-GPU Placement", 0), "return_type_mismatch"),
+]
+ACCEPTED = [
+    Edit("an INT written as text", "PrimitiveInt", "value", "7", None, title="Seed"),
+    Edit("an INT written as a float", "PrimitiveInt", "value", 7.0, None, title="Seed"),
+    Edit("a FLOAT written as an int", "BasicScheduler", "denoise", 1, None,
+         title="PASS2 Schedule"),
+    Edit("a FLOAT written as text", "BasicScheduler", "denoise", "0.25", None,
+         title="PASS2 Schedule"),
+    Edit("an input the node does not declare", "BasicScheduler", "sigma_shift", 3.0, None,
+         title="PASS2 Schedule"),
+]
