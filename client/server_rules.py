@@ -64,10 +64,17 @@ def check_literal(kind: Any, opts: dict, value: Any, self_checked: bool = False
     if self_checked:
         return None, None
     low, high = opts.get("min"), opts.get("max")
-    if low is not None and _less(converted, low):
-        return f"= {value!r} is below the minimum {low} (allowed: {low} to {high})", None
-    if high is not None and _less(high, converted):
-        return f"= {value!r} is above the maximum {high} (allowed: {low} to {high})", None
+    allowed = f"allowed: {'-inf' if low is None else low} to {'inf' if high is None else high}"
+    for bound, below, word in ((low, True, "below the minimum"),
+                               (high, False, "above the maximum")):
+        if bound is None:
+            continue
+        try:
+            outside = converted < bound if below else converted > bound
+        except TypeError:  # the server's comparison raises too, and it refuses the prompt
+            return f"= {value!r} cannot be compared with the {word.split()[-1]} {bound}", None
+        if outside:
+            return f"= {value!r} is {word} {bound} ({allowed})", None
     if isinstance(kind, list) or kind == "COMBO":
         options = combo_options(kind, opts) or []
         picked = converted if isinstance(converted, list) and opts.get("multiselect") else [
@@ -84,13 +91,6 @@ def check_literal(kind: Any, opts: dict, value: Any, self_checked: bool = False
 
 def _an(kind: str) -> str:
     return f"{'an' if kind[:1] in 'AEIOU' else 'a'} {kind}"
-
-
-def _less(a: Any, b: Any) -> bool:
-    try:
-        return bool(a < b)
-    except TypeError:
-        return False  # the server's comparison would raise; it reports that as an exception
 
 
 def _offered(value: Any, options: list) -> bool:
