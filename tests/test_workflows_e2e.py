@@ -105,13 +105,20 @@ def _streams(path: Path) -> dict:
                                             for a in audio]}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_workflow_runs_to_a_video_with_audio(server, name, tmp_path, record_property):
+# The UI files, and one API twin (its inputs 0.33.0 does not declare are ignored there) with
+# another seed, so that the stages after the loaders run again instead of coming from the cache.
+RUNS = [(f"{name}.json", []) for name in NAMES] + [
+    ("api/h3_multigpu_two_pass_t2v.json", ["--seed", "7"])]
+
+
+@pytest.mark.parametrize(("name", "more"), RUNS, ids=[r[0] for r in RUNS])
+def test_the_workflow_runs_to_a_video_with_audio(server, name, more, tmp_path,
+                                                 record_property):
     url, log = server
     out = io.StringIO()
     t0 = time.monotonic()
     with contextlib.redirect_stdout(out):
-        code = cli_main(["submit", str(WORKFLOWS / f"{name}.json"), "--server", url, *TINY_RUN,
+        code = cli_main(["submit", str(WORKFLOWS / name), "--server", url, *TINY_RUN, *more,
                          "--out", str(tmp_path), "--timeout", "1800", "--json"])
     wall_s = time.monotonic() - t0
     events = _events(out.getvalue())
@@ -120,9 +127,10 @@ def test_the_workflow_runs_to_a_video_with_audio(server, name, tmp_path, record_
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
         pytest.fail(f"submit exited {code}: {failure}\nserver log:\n{tail}")
     # every stage ran (or was cached from the previous workflow's identical node)
-    with urllib.request.urlopen(url + "/object_info", timeout=60) as response:
-        prompt = ui_to_api(json.loads((WORKFLOWS / f"{name}.json").read_text()),
-                           json.load(response))
+    prompt = json.loads((WORKFLOWS / name).read_text())
+    if "nodes" in prompt:
+        with urllib.request.urlopen(url + "/object_info", timeout=60) as response:
+            prompt = ui_to_api(prompt, json.load(response))
     executed = {e["title"] for e in events if e["event"] == "executing"}
     executed |= {prompt[i]["_meta"]["title"] for e in events if e["event"] == "cached"
                  for i in e["nodes"] if i in prompt}
