@@ -42,7 +42,7 @@ from .errors import (
 from .http import ComfyClient, Deadline, EventSink, SkippedOutput
 from .params import DEFAULT_TARGETS, Target, apply_params, check_pass_geometry
 from .report import format_execution_error, format_rejection
-from .validate import check_prompt
+from .validate import review_prompt
 from .workflow import (
     ApiPrompt,
     describe_node,
@@ -82,9 +82,12 @@ def prepare(
     except WorkflowError as exc:
         problems += exc.problems
     problems += check_pass_geometry(prompt, targets)
-    problems += check_prompt(prompt, object_info)
+    review = review_prompt(prompt, object_info)
+    problems += review.problems
     if problems:
         raise WorkflowError(problems)
+    for note in review.notes:
+        emit({"event": "warning", "message": str(note)})
     emit({"event": "validated", "nodes": len(prompt)})
     return prompt
 

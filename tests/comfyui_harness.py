@@ -68,12 +68,14 @@ def start_comfyui(
     startup_timeout_s: float = 180.0,
     extra_args: tuple[str, ...] = (),
     log_path: str | os.PathLike | None = None,
+    custom_nodes: dict[str, str | os.PathLike] | None = None,
 ) -> Iterator[str]:
     """Run `python main.py --cpu --listen 127.0.0.1 --port N` and yield its base URL.
 
     `port=0` picks a free port. `log_path` keeps the server's output (default: inside the
-    temporary base directory, removed at exit). The server is stopped (SIGTERM, then SIGKILL
-    after 10 s) when the block exits, whatever happened inside it.
+    temporary base directory, removed at exit). `custom_nodes` (folder name -> path) installs
+    more custom nodes beside the pack, e.g. a test-only one. The server is stopped (SIGTERM,
+    then SIGKILL after 10 s) when the block exits, whatever happened inside it.
     """
     comfyui = Path(comfyui_path).resolve()
     if not (comfyui / "main.py").is_file():
@@ -83,10 +85,12 @@ def start_comfyui(
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="h3-comfyui-") as base:
-        custom_nodes = Path(base, "custom_nodes")
+        extra_nodes, custom_nodes = custom_nodes, Path(base, "custom_nodes")
         custom_nodes.mkdir()
         (custom_nodes / PACK_DIR_NAME).symlink_to(Path(pack_path).resolve(),
                                                   target_is_directory=True)
+        for folder, source in (extra_nodes or {}).items():
+            (custom_nodes / folder).symlink_to(Path(source).resolve(), target_is_directory=True)
         log = Path(log_path) if log_path else Path(base, "comfyui.log")
         command = [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                    "--base-directory", base, "--database-url", "sqlite:///:memory:",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+import uuid
 
 import pytest
 from comfyui_harness import start_comfyui
@@ -55,7 +56,9 @@ def test_real_400_is_parsed_into_node_errors(comfyui_url):
     graph = empty_image_graph()
     graph["1"]["inputs"]["width"] = 0  # below EmptyImage's minimum of 1
     with pytest.raises(PromptRejected) as info:
-        ComfyClient(comfyui_url).post_prompt(graph, "h3-client-test-400")
+        # a canonical UUID: 0.33.0 refuses any other prompt_id (invalid_prompt_id) before it
+        # looks at the graph
+        ComfyClient(comfyui_url).post_prompt(graph, str(uuid.uuid4()))
     assert "1" in info.value.response["node_errors"]
 
 

@@ -16,12 +16,21 @@ from pathlib import Path
 
 import pytest
 from fake_comfy_server import FakeComfyServer
-from workflow_bed import needed_files
+from workflow_bed import (
+    ACCEPTED,
+    BUILT_FROM,
+    REFUSED,
+    RELEASES,
+    saved_schemas,
+    schema_essence,
+    served_release,
+    with_files,
+)
 
 from h3_multigpu import geometry, nodes
 from h3_multigpu.client import editor, ui_to_api
 from h3_multigpu.client.cli import main as cli_main
-from h3_multigpu.client.validate import check_prompt
+from h3_multigpu.client.validate import check_prompt, review_prompt
 from h3_multigpu.nodes import inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,24 +80,9 @@ def _subgraph_ids(ui: dict) -> set[str]:
     return {sub["id"] for sub in ui["definitions"]["subgraphs"]}
 
 
-def served_with_files() -> dict:
+def served_with_files(release: str = BUILT_FROM) -> dict:
     """The served schemas as a server with the workflows' model files and images installed."""
-    info = json.loads(json.dumps(SCHEMAS))
-    files = needed_files((WORKFLOWS / "api").glob("*.json"))
-    folder_of = {"unet_name": "diffusion_models", "clip_name": "text_encoders",
-                 "vae_name": "vae", "lora_name": "loras", "upscaler_name":
-                 "latent_upscale_models", "model_name": "latent_upscale_models",
-                 "image": "input"}
-    for entry in info.values():
-        for section in ("required", "optional"):
-            for name, spec in (entry["input"].get(section) or {}).items():
-                if name in folder_of and (isinstance(spec[0], list) or spec[0] == "COMBO"):
-                    names = sorted(files.get(folder_of[name], ()))
-                    if isinstance(spec[0], list):
-                        spec[0] = sorted(set(spec[0]) | set(names))
-                    else:
-                        spec[1]["options"] = sorted(set(spec[1]["options"]) | set(names))
-    return info
+    return with_files(saved_schemas(release))
 
 
 @pytest.fixture(params=NAMES)
@@ -219,11 +213,16 @@ def test_widget_values_are_laid_out_as_the_editor_does(workflow):
 
 def test_the_known_widget_layouts_of_save_and_create_video():
     """The defects seen in the frontend: CreateVideo has 4 widgets upstream, SaveVideo's
-    format is a DynamicCombo whose codec follows it, and its hidden codec is still a widget."""
+    format is a DynamicCombo whose codec follows it, and its hidden codec is still a widget.
+    0.33.0 has the first two of CreateVideo's and a plain format combo with a codec after it,
+    so the files' first values serve both."""
     assert [w.name for w in editor.widgets(CORE["CreateVideo"])] == [
         "fps", "bit_depth", "color_space", "codec"]
     save = editor.widgets(CORE["SaveVideo"], {"format": "auto"})
     assert [w.name for w in save] == ["filename_prefix", "format", "format.codec", "codec"]
+    assert [w.name for w in editor.widgets(CORE_033["CreateVideo"])] == ["fps", "bit_depth"]
+    assert [w.name for w in editor.widgets(CORE_033["SaveVideo"], {"codec": "auto"})] == [
+        "filename_prefix", "format", "codec"]
     assert [s.name for s in editor.slots(CORE["SaveVideo"])] == [
         "video", "filename_prefix", "format", "format.codec", "codec"]
     r2v = editor.slots(CORE["MiniMaxH3ReferenceToVideo"],
@@ -318,6 +317,121 @@ def test_the_client_finds_nothing_to_fix(workflow):
     # Without the model files the client names each one, as the server would.
     problems = check_prompt(api, SCHEMAS)
     assert problems and all("not offered by the server" in p.message for p in problems)
+
+
+# -------------------------------------------------------------------------------------------
+# One set of files for ComfyUI 0.33.0 and the newest files
+# -------------------------------------------------------------------------------------------
+
+CORE_033 = json.loads((DATA / "object_info_033.json").read_text())["served"]
+# API inputs of the newest schemas that 0.33.0 does not declare (its server ignores them)
+ONLY_NEWEST = {"CreateVideo": {"color_space", "codec"}, "SaveVideo": {"format.codec"}}
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_every_file_validates_on_every_release(workflow, release):
+    """The UI file, converted as that release's editor converts it, and the API twin both pass
+    the server's checks on ComfyUI 0.33.0 and on the newest files; what 0.33.0 lacks of the
+    twin is exactly the inputs it ignores, and the client says so."""
+    _, ui, api = workflow
+    info = served_with_files(release)
+    converted = ui_to_api(ui, info)
+    assert check_prompt(converted, info) == []
+    review = review_prompt(api, info)
+    assert review.problems == []
+    ignored = {} if release == BUILT_FROM else ONLY_NEWEST
+    twin_less = {i: {**n, "inputs": {k: v for k, v in n["inputs"].items()
+                                     if k not in ignored.get(n["class_type"], ())}}
+                 for i, n in api.items()}
+    assert converted == twin_less
+    noted = {p.where.rsplit("(", 1)[1].rstrip(")") for p in review.notes}
+    assert noted == set(ignored)
+
+
+def test_0_33_refuses_what_the_old_files_carried():
+    """The defect: CreateVideo bit_depth 'auto' (what the files had) is an INT on 0.33.0."""
+    _, api = _load("h3_multigpu_two_pass_t2v")
+    video = next(n for n in api.values() if n["class_type"] == "CreateVideo")
+    video["inputs"]["bit_depth"] = "auto"
+    problems = " ".join(str(p) for p in check_prompt(api, served_with_files("0.33.0")))
+    assert "'bit_depth' = 'auto' is not an INT" in problems
+    assert check_prompt(api, served_with_files("newest")) == []  # an option there
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_submit_check_of_the_ui_file_prints_what_that_release_queues(workflow, release):
+    name, ui, _ = workflow
+    out = io.StringIO()
+    with FakeComfyServer(object_info=served_with_files(release)) as fake, \
+            contextlib.redirect_stdout(out):
+        code = cli_main(["submit", str(WORKFLOWS / f"{name}.json"), "--server", fake.url,
+                         "--check"])
+    assert code == 0
+    assert json.loads(out.getvalue()) == ui_to_api(ui, served_with_files(release))
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+@pytest.mark.parametrize("edit", REFUSED, ids=repr)
+def test_the_client_refuses_what_the_server_refuses(edit, release):
+    """One bad value per way the server checks an input (tests/workflow_bed.py; the same table
+    runs against a real server in test_workflows_comfyui.py)."""
+    _, api = _load("h3_multigpu_two_pass_t2v")
+    node_id = edit.apply(api)
+    problems = check_prompt(api, served_with_files(release))
+    assert len(problems) == 1 and problems[0].where.startswith(f"node #{node_id} "), problems
+    assert f"'{edit.name}'" in problems[0].message
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+@pytest.mark.parametrize("edit", ACCEPTED, ids=repr)
+def test_the_client_accepts_what_the_server_accepts(edit, release):
+    _, api = _load("h3_multigpu_two_pass_t2v")
+    edit.apply(api)
+    assert check_prompt(api, served_with_files(release)) == []
+
+
+def test_what_the_server_ignores_or_changes_is_a_note_not_a_refusal():
+    _, api = _load("h3_multigpu_two_pass_t2v")
+    info = served_with_files()
+    t = _by_title(api)
+    t["Seed"][1]["inputs"]["value"] = 7.5  # the server truncates it to 7
+    t["PASS1 Steps"][1]["inputs"]["value"] = "8"
+    review = review_prompt(api, info)
+    assert review.problems == []
+    notes = " ".join(str(n) for n in review.notes)
+    assert "truncates it to 7" in notes and "reads the text as 8" in notes
+    # A node that feeds no output is neither checked nor run by the server.
+    api["99"] = {"class_type": "BasicScheduler", "_meta": {"title": "Spare"},
+                 "inputs": {"model": [t["Multi-GPU Placement"][0], 0],
+                            "scheduler": "simple", "steps": 0, "denoise": 1.0}}
+    review = review_prompt(api, info)
+    assert review.problems == []
+    assert any("feeds no output node" in str(n) for n in review.notes)
+
+
+def test_a_dynamic_combo_key_not_offered_is_refused_before_the_run():
+    """Stricter than the server on purpose: it queues such a key and the node fails when it
+    runs."""
+    _, api = _load("h3_multigpu_two_pass_t2v")
+    _by_title(api)["Save Video"][1]["inputs"]["codec"] = "vp9"
+    for release in RELEASES:
+        assert "'codec' = 'vp9' is not offered" in str(check_prompt(
+            api, served_with_files(release)))
+
+
+def test_schema_comparisons_keep_what_matters_and_ignore_what_releases_add():
+    newest, old = saved_schemas("newest"), saved_schemas("0.33.0")
+    assert "dev_only" in CORE_033["BasicGuider"] and "dev_only" not in CORE["BasicGuider"]
+    for same in ("BasicGuider", "BasicScheduler", "SamplerCustomAdvanced", "PrimitiveInt",
+                 "UNETLoader", "VAEDecodeAudio"):
+        assert schema_essence(newest[same]) == schema_essence(old[same]), same
+    for changed in ("CreateVideo", "SaveVideo", "MiniMaxH3ReferenceToVideo"):
+        assert schema_essence(newest[changed]) != schema_essence(old[changed]), changed
+    assert served_release(newest)[0] == "newest" and served_release(old)[0] == "0.33.0"
+    grown = json.loads(json.dumps(newest))
+    grown["KSamplerSelect"]["input"]["required"]["sampler_name"][0].append("euler_v2")
+    grown["KSamplerSelect"]["essentials_category"] = "sampling"
+    assert served_release(grown)[0] == "newest"
 
 
 def test_every_node_has_a_unique_title_and_the_client_titles_exist(workflow):

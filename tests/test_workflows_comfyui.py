@@ -1,6 +1,8 @@
 """The real server as the judge of the bundled workflows: a real ComfyUI with this pack and
 placeholder model files validates every API graph completely (HTTP 200, no node errors), and
-the run fails only where a loader reads the placeholder weights; `submit` agrees with it.
+the run fails only where a loader reads the placeholder weights; `submit` agrees with it, on
+the bundled files and on one deliberately bad value per way the server checks an input.
+Runs on ComfyUI 0.33.0 and on the newest files (it names the release it finds).
 
     COMFYUI_PATH=/path/to/ComfyUI python -m pytest -q -m comfyui -o addopts="--strict-markers" \\
         tests/test_workflows_comfyui.py
@@ -17,21 +19,19 @@ import uuid
 from pathlib import Path
 
 import pytest
+from comfyui_h3 import import_comfyui_or_skip
 from comfyui_harness import start_comfyui
-from workflow_bed import LOADERS, make_bed
+from workflow_bed import ACCEPTED, BUILT_FROM, LOADERS, REFUSED, make_bed, served_release
 
 from h3_multigpu.client import ui_to_api
+from h3_multigpu.client.server_rules import PACK_SELF_CHECKED
 from h3_multigpu.client.validate import check_prompt
 
 pytestmark = pytest.mark.comfyui
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "workflows"
-DATA = Path(__file__).resolve().parent / "data"
 NAMES = ("h3_multigpu_two_pass_t2v", "h3_multigpu_two_pass_i2v", "h3_multigpu_two_pass_r2v")
-# Inputs naming files: their lists depend on the models folders, not on the node.
-FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "model_name",
-               "upscaler_name", "image"}
 
 
 @pytest.fixture(scope="module")
@@ -74,26 +74,13 @@ def _api(name: str) -> dict:
     return json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
 
 
-def _without_files(entry: dict) -> dict:
-    entry = json.loads(json.dumps(entry))
-    for section in ("required", "optional"):
-        for name, spec in (entry["input"].get(section) or {}).items():
-            if name in FILE_INPUTS:
-                if isinstance(spec[0], list):
-                    spec[0] = "<files>"
-                else:
-                    spec[1]["options"] = "<files>"
-    entry.pop("python_module", None)  # custom_nodes.<folder name> depends on the install
-    return entry
-
-
-def test_the_server_serves_the_schemas_the_workflows_were_built_from(server):
+def test_the_server_serves_the_schemas_of_a_saved_release(server):
+    """What matters of each schema (workflow_bed.schema_essence: inputs, types, ranges, widget
+    order, outputs; not tooltips or fields a release adds) is what tests/data/ saved for one
+    release, so the default suite's checks of the files hold on this server."""
     _, info = server
-    core = json.loads((DATA / "object_info_h3.json").read_text())["served"]
-    pack = json.loads((DATA / "object_info_pack.json").read_text())["served"]
-    for name, entry in {**core, **pack}.items():
-        assert name in info, f"{name} is not served"
-        assert _without_files(info[name]) == _without_files(entry), name
+    release, differences = served_release(info)
+    assert release is not None, differences
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -113,25 +100,72 @@ def test_the_server_accepts_the_graph_and_fails_only_on_the_placeholder_weights(
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_submit_agrees_with_the_server(server, name):
+def test_submit_agrees_with_the_server_on_the_bundled_files(server, name):
+    """The UI file as this server's editor queues it (the client's conversion with this
+    server's /object_info) and the API twin: the client finds nothing to refuse and the server
+    accepts both."""
     url, info = server
     ui = json.loads((WORKFLOWS / f"{name}.json").read_text())
-    assert ui_to_api(ui, info) == _api(name)
-    assert check_prompt(_api(name), info) == []
-    # A bit depth the combo does not offer and a missing size: both refuse the graph.
-    broken = _api(name)
-    video = next(n for n in broken.values() if n["class_type"] == "CreateVideo")
-    video["inputs"]["bit_depth"] = 12
-    upscale = next(n for n in broken.values() if n["class_type"] == "H3MultiGPULatentUpscale")
-    del upscale["inputs"]["width"]
-    _, answer = _post(url, broken)  # 200 when another output (GPU Status) is still valid
-    refused = {n["class_type"] for n in answer["node_errors"].values()}
-    problems = " ".join(str(p) for p in check_prompt(broken, info))
-    assert "CreateVideo" in refused and "'bit_depth' = 12 is not offered" in problems
-    assert "H3MultiGPULatentUpscale" in refused and "'width' is missing" in problems
-    # The server lets a DynamicCombo key it does not offer through (the run breaks later);
-    # the client stops it before anything is queued.
-    odd = _api(name)
-    next(n for n in odd.values() if n["class_type"] == "SaveVideo")["inputs"][
-        "format.codec"] = "vp9"
-    assert "'format.codec' = 'vp9' is not offered" in str(check_prompt(odd, info))
+    for graph in (ui_to_api(ui, info), _api(name)):
+        assert check_prompt(graph, info) == []
+        status, answer = _post(url, graph)
+        assert status == 200 and answer["node_errors"] == {}, answer
+    if served_release(info)[0] == BUILT_FROM:
+        assert ui_to_api(ui, info) == _api(name)
+
+
+def _errors_of(answer: dict, node_id: str) -> list[str]:
+    return [e["type"] for e in (answer.get("node_errors") or {}).get(node_id, {}).get(
+        "errors", [])]
+
+
+@pytest.mark.parametrize("edit", REFUSED, ids=repr)
+def test_the_server_and_the_client_refuse_the_same_bad_value(server, edit):
+    url, info = server
+    graph = _api("h3_multigpu_two_pass_t2v")
+    node_id = edit.apply(graph)
+    _, answer = _post(url, graph)  # 200 when another output (GPU Status) is still valid
+    assert edit.server_error in _errors_of(answer, node_id), answer
+    problems = check_prompt(graph, info)
+    assert [p for p in problems if p.where.startswith(f"node #{node_id} ")
+            and f"'{edit.name}'" in p.message], problems
+
+
+@pytest.mark.parametrize("edit", ACCEPTED, ids=repr)
+def test_the_server_and_the_client_accept_the_same_surprising_value(server, edit):
+    url, info = server
+    graph = _api("h3_multigpu_two_pass_t2v")
+    edit.apply(graph)
+    status, answer = _post(url, graph)
+    assert status == 200 and answer["node_errors"] == {}, answer
+    assert check_prompt(graph, info) == []
+
+
+def test_a_dynamic_combo_key_the_server_queues_is_refused_by_the_client(server):
+    """The one place the client is stricter: the server lets a DynamicCombo key it does not
+    offer through its validation (the node fails when it runs, after the models load)."""
+    url, info = server
+    graph = _api("h3_multigpu_two_pass_t2v")
+    save = next(n for n in graph.values() if n["class_type"] == "SaveVideo")
+    save["inputs"]["codec"] = "vp9"
+    status, answer = _post(url, graph)
+    assert status == 200 and answer["node_errors"] == {}, answer
+    assert "'codec' = 'vp9' is not offered" in str(check_prompt(graph, info))
+
+
+def test_the_pack_nodes_check_what_the_client_thinks_they_check():
+    """server_rules.PACK_SELF_CHECKED is each pack node's validate_inputs signature (the server
+    skips its range and option checks for those inputs)."""
+    import inspect
+
+    import_comfyui_or_skip()
+    from comfy_api.internal import first_real_override  # ComfyUI internal (0.33.0, newest)
+
+    from h3_multigpu.nodes import extension
+
+    found = {}
+    for cls in extension.all_nodes():
+        method = first_real_override(cls, "validate_inputs")
+        if method is not None:
+            found[cls.GET_SCHEMA().node_id] = tuple(inspect.getfullargspec(method).args[1:])
+    assert found == PACK_SELF_CHECKED

@@ -10,6 +10,15 @@ the DiT's PASS1 and PASS2), and four "PASSn Width/Height" nodes are the one sour
 sizes (plan and placement, both passes, the upscale). `ui_graph.py` writes the files; the
 tests check them against the real node schemas (tests/data/), the real frontend
 (tests/browser/) and a real server.
+
+One set of files serves ComfyUI 0.33.0 and the newest files. They are written against the
+newest schemas (tests/data/object_info_h3.json) with values 0.33.0 accepts too
+(tests/data/object_info_033.json): where 0.33.0 has fewer widgets (CreateVideo: fps, bit_depth;
+SaveVideo: filename_prefix, format, codec) its editor fills them from the first saved values
+and its server ignores the API inputs it does not declare, so every value the two releases
+share is chosen valid on both (CreateVideo bit_depth 8: an INT 8..10 there, an option here;
+SaveVideo "auto" for format, format.codec and codec). MiniMaxH3ReferenceToVideo's vae and
+audio_vae, required on 0.33.0, are always connected.
 """
 
 from __future__ import annotations
@@ -174,7 +183,7 @@ def two_pass(kind: str) -> Workflow:
                        **{i.name: i.value for i in sub.inputs if i.widget}, **sockets)
     top.add("SaveVideo", "Save Video", (x + 560, 0), box=(420, 560),
             video=pipeline.ref("VIDEO"), filename_prefix=f"video/H3_MultiGPU_{kind}",
-            format="auto", **{"format.codec": "auto"}, codec="auto")
+            format="auto", **{"format.codec": "auto"}, codec="auto")  # valid on both releases
     top.add("H3MultiGPUShowText", "GPU Status", (x + 560, 620), box=(420, 300),
             text=pipeline.ref("status"))
 
@@ -267,8 +276,12 @@ def two_pass(kind: str) -> Workflow:
               vae=place.ref("vae"))
     adec = add("VAEDecodeAudio", "Decode Audio", STAGE_WIDTH, HELPER,
                samples=pass2.ref("output"), vae=place.ref("audio_vae"))
+    # Values valid on both releases (see the module docstring): 0.33.0's CreateVideo takes
+    # bit_depth as an INT 8..10 and has no color_space/codec (its server ignores them, its
+    # editor keeps the first two widget values), the newest offers 8 beside "auto" (= 8 for
+    # sRGB). The official templates write [24, 8].
     video = add("CreateVideo", "Create Video", STAGE_WIDTH, images=dec.ref("IMAGE"),
-                audio=adec.ref("AUDIO"), fps=24.0, bit_depth="auto", color_space="sRGB",
+                audio=adec.ref("AUDIO"), fps=24.0, bit_depth=8, color_space="sRGB",
                 codec="none")
     sub.output("VIDEO", "VIDEO", video.ref("VIDEO"))
     sub.output("status", "STRING", place.ref("status"))

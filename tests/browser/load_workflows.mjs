@@ -6,26 +6,31 @@
 // job.json: {"workflows": {name: ui_json_path}, "screenshots": dir or null}. Prints one JSON
 // object: {name: {toasts, errors, missing, links, widgets, prompt, serialized, layout}}, where
 // layout[graph] = {sizes: node sizes, wires: each link's drawn Beziers, one per leg}.
-// Needs the npm packages @sparticuz/chromium and puppeteer-core (NODE_PATH may point at them).
+// Needs the npm package puppeteer-core and either @sparticuz/chromium or H3_CHROMIUM (the path of
+// an installed Chromium); NODE_PATH may point at the packages.
 import fs from 'node:fs'
 import path from 'node:path'
 import { createRequire } from 'node:module'
 
 const require = createRequire(path.join(process.env.NODE_PATH || process.cwd(), 'x.js'))
-const chromium = require('@sparticuz/chromium')
 const puppeteer = require('puppeteer-core')
 
 const [server, jobPath] = process.argv.slice(2)
 const job = JSON.parse(fs.readFileSync(jobPath, 'utf8'))
 
-// @sparticuz/chromium's --single-process breaks a second page; the rest keeps the browser quiet
-// and offline.
-const args = chromium.default?.args ?? chromium.args
-const chromiumArgs = args
-  .filter((a) => a !== '--single-process')
-  .concat(['--no-sandbox', '--disable-gpu', '--disable-background-networking',
-    '--disable-component-update', '--disable-sync'])
-const executablePath = await (chromium.default ?? chromium).executablePath()
+// H3_CHROMIUM names an installed Chromium (e.g. /usr/bin/chromium from apt); otherwise
+// @sparticuz/chromium's bundled one, whose --single-process breaks a second page. The rest keeps
+// the browser quiet and offline.
+const quiet = ['--no-sandbox', '--disable-gpu', '--disable-background-networking',
+  '--disable-component-update', '--disable-sync']
+let executablePath = process.env.H3_CHROMIUM
+let chromiumArgs = ['--headless=new', '--disable-dev-shm-usage', ...quiet]
+if (!executablePath) {
+  const chromium = require('@sparticuz/chromium')
+  const args = chromium.default?.args ?? chromium.args
+  chromiumArgs = args.filter((a) => a !== '--single-process').concat(quiet)
+  executablePath = await (chromium.default ?? chromium).executablePath()
+}
 const browser = await puppeteer.launch({
   args: chromiumArgs, executablePath, headless: true,
   defaultViewport: { width: 1800, height: 1100 }
@@ -93,8 +98,14 @@ async function loadOne(name, ui) {
     return Object.fromEntries(graph.nodes.map((n) => [n.id, [...n.size]]))
   }
   const vue = [...document.querySelectorAll('*')].find((e) => e.__vue_app__).__vue_app__
+  // 1.58.1 keeps its toasts in `toasts`; 1.49.6 passes each one on from `messagesToAdd` at
+  // once, so every toast added while loading is recorded as it is added.
   const toastStore = vue.config.globalProperties.$pinia._s.get('toast')
-  toastStore.dismissAll()
+  if (toastStore.dismissAll) toastStore.dismissAll()
+  else toastStore.removeAll()
+  const added = []
+  const add = toastStore.add
+  toastStore.add = (t) => { added.push(t); return add(t) }
   const errors = []
   const origError = console.error
   console.error = (...a) => { errors.push(a.map(String).join(' ')); origError(...a) }
@@ -137,8 +148,10 @@ async function loadOne(name, ui) {
     layout[where] = { sizes: nodeSizes(graph), wires: await drawnWires(graph) }
   }
   const prompt = (await app.graphToPrompt()).output
-  const toasts = toastStore.toasts.map((t) => ({ kind: t.kind, title: t.title,
-    description: t.description ?? '' }))
+  toastStore.add = add
+  const shown = toastStore.toasts ?? added
+  const toasts = shown.map((t) => ({ kind: t.kind ?? t.severity, title: t.title ?? t.summary,
+    description: t.description ?? t.detail ?? '' }))
   return { toasts, errors, missing, links, widgets, prompt, layout,
     serialized: app.rootGraph.serialize() }
 }
