@@ -104,10 +104,9 @@ def upscaler_state_dict(seed: int = 9) -> dict[str, torch.Tensor]:
 
 def audio_vae_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     """h3_checkpoints' audio VAE with values its decoder keeps finite, so that the saved mp4
-    gets an audio stream (FFmpeg's AAC encoder refuses NaN): convolution weights scaled by
-    their whole fan-in (channels x taps; the shared writer divides by the taps only, and the
-    BigVGAN stack then overflows), anti-aliasing filters as normalised boxes, the encoder's
-    Snake alphas at 1 (it divides by them)."""
+    gets an audio stream (FFmpeg's AAC encoder refuses NaN): anti-aliasing filters as
+    normalised boxes, the encoder's Snake alphas at 1 (it divides by them); the shared writer
+    already scales convolution weights by their whole fan-in."""
     import h3_checkpoints as ckpt
 
     sd = ckpt.audio_vae_state_dict(seed=seed)
@@ -116,8 +115,6 @@ def audio_vae_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
             sd[name] = torch.full_like(value, 1.0 / value.shape[-1])
         elif name.endswith(".alpha") and value.ndim == 3:
             sd[name] = torch.ones_like(value)
-        elif name.endswith(".weight") and value.ndim == 3:
-            sd[name] = value / value.shape[1] ** 0.5
     return sd
 
 
