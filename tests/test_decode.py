@@ -65,7 +65,7 @@ def test_layout_reads_the_model_and_refuses_other_modules():
 
 @pytest.mark.parametrize("t", [2, 3, 8, 10, 11, 12, 13])
 def test_layout_pads_like_the_model(t):
-    assert WindowLayout().windows(t) == StandInVideoVAE()._windows(t)
+    assert WindowLayout().windows(t) == StandInVideoVAE()._decode_temporal_chunks(t)
 
 
 def test_assign_windows_balances_equal_and_weighted_devices():
@@ -113,7 +113,7 @@ def test_split_decode_is_bit_identical_to_one_call(t, ranges):
     for c in model.calls:
         per_module[c] = per_module.get(c, 0) + 1
     assert sorted(per_module.values()) == sorted(b - a for a, b in ranges)
-    assert per_module[id(model)] == ranges[0][1] - ranges[0][0]
+    assert per_module[id(model.decoder)] == ranges[0][1] - ranges[0][0]
     assert report.handovers == len(ranges) - 1  # one 5-frame piece per cut
     assert report.same_tile_batches and len(report.tile_batches) == ranges[-1][1]
 
@@ -187,7 +187,7 @@ def test_failing_helper_falls_back_to_the_root_with_one_warning(after, caplog):
     assert len(report.failed) == 1  # both helpers are the CPU here: one device name
     assert len(steps) == 7  # each window counted once
     # the helpers' windows were decoded (again) by the root's own module
-    assert sum(1 for c in model.calls if c == id(model)) >= 3 + 4
+    assert sum(1 for c in model.calls if c == id(model.decoder)) >= 3 + 4
 
 
 # --- the decoding copy ---------------------------------------------------------------------------
