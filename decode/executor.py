@@ -18,7 +18,9 @@ again as the model's loop would have: `_finalize_pixels(blend(tail, head, frame_
 dim=-3))`. The blend is elementwise, so any device gives the same bits. A release whose loop
 does not hand those pieces over (`NotFollowed`) is decoded again on the root by its own loop.
 
-One worker thread per device; the calling thread only orchestrates: it counts finished windows
+One worker thread per range; two ranges on one GPU (a plumbing test on one card) take turns,
+as ComfyUI's per-device offload streams and cast buffers are not made for two threads at
+once. The calling thread only orchestrates: it counts finished windows
 for the progress bar, polls the interrupt check, and when a helper fails it lets the others
 finish, then decodes the helper's range on the root, with one warning.
 
@@ -27,6 +29,7 @@ Legend: B batch, C=3 channels, F frames, H x W pixels; z_BCTHW is the latent.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import queue
@@ -178,6 +181,9 @@ class SplitDecode:
         self._report_lock = threading.Lock()
         self._windows = 0
         self._pad = 0
+        # ranges on one GPU take turns (ComfyUI's per-device offload streams, cast buffers)
+        self._turns = {str(d): threading.Lock() for d in {s.device for s in shares}
+                       if d.type == "cuda" and sum(s.device == d for s in shares) > 1}
         self._offsets: list[int] = []  # output frame of each share's first head
         self._lengths: list[int] = []  # frames each share's range writes (its own output)
 
@@ -289,8 +295,9 @@ class SplitDecode:
               events: queue.Queue) -> None:
         share = self.shares[k]
         try:
+            turn = self._turns.get(str(share.device), contextlib.nullcontext())
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
-                    device_context(share.device):
+                    device_context(share.device), turn:
                 lo, hi = self._latent_range(share.windows, z_BCTHW.shape[2])
                 z_range = z_BCTHW[:, :, lo:hi]
                 if k == 0:

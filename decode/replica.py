@@ -87,8 +87,11 @@ def _clone_one(module: nn.Module, device: torch.device, move: Copier) -> nn.Modu
             setattr(clone, key, type(value)(value))
         elif isinstance(value, torch.Tensor):  # a plain tensor attribute
             setattr(clone, key, move(value, device))
+    # requires_grad as the original's: even under no_grad/inference mode ATen's matmul folds a
+    # batched linear differently for a weight that requires grad (measured: fp16 on the CPU,
+    # batched tiles of the newest VAE), so a flag changed on the copy changes the last bits
     clone._parameters = {
-        k: (None if p is None else nn.Parameter(move(p, device), requires_grad=False))
+        k: (None if p is None else nn.Parameter(move(p, device), requires_grad=p.requires_grad))
         for k, p in module._parameters.items()}
     clone._buffers = {k: (None if b is None else move(b, device))
                       for k, b in module._buffers.items()}

@@ -213,6 +213,9 @@ def test_comfyui_int8_convrot_vae_decode_split_is_bit_identical(comfy, dtype, he
     expected, out, patch, _ = _run_split(comfy, 17, 2, dtype=dtype, int8=True,
                                          helper_copy=helper_copy)
     _check_split(patch, expected, out, devices=3)
+    copies = patch.last_report.copy_seconds
+    assert (copies == {} and all(h.patcher is not None for h in patch.helpers)) \
+        if helper_copy == "comfy" else set(copies) == {"cpu"}
     weight = patch.model.decoder.transformer_blocks[0].attn.to_qkv.weight
     assert type(weight).__name__ == "QuantizedTensor" and weight._qdata.dtype == torch.int8
 
