@@ -86,8 +86,13 @@ def dynamic(tmp_path_factory):
     folder_paths.add_model_folder_path("vae", str(folder))
     (vae,) = nodes.VAELoader().load_vae(VAE_NAME)  # ComfyUI's own Load VAE node
     assert core.is_dynamic(vae.patcher), type(vae.patcher).__name__
-    assert vae.patcher.cached_patcher_init is not None
     return vae
+
+
+def _needs_factory(vae) -> None:
+    if vae.patcher.cached_patcher_init is None:  # 0.3.64's nodes.py (the newest-files bed)
+        pytest.skip("this ComfyUI's Load VAE registers no reload factory (cached_patcher_init); "
+                    "test_dynamic_vram_without_a_reload_factory_says_why covers it")
 
 
 def _latent(t: int) -> torch.Tensor:
@@ -98,6 +103,7 @@ def _latent(t: int) -> torch.Tensor:
 @pytest.mark.gpu
 def test_dynamic_vram_helper_is_comfys_clone_and_the_decode_is_bit_identical(dynamic):
     vae, gpu = dynamic, torch.device("cuda", 0)
+    _needs_factory(vae)
     z = _latent(22)  # 4 windows
     with torch.inference_mode():
         expected = vae.decode(z)
@@ -122,13 +128,29 @@ def test_dynamic_vram_helper_is_comfys_clone_and_the_decode_is_bit_identical(dyn
 
 @pytest.mark.gpu
 def test_dynamic_vram_refuses_a_copy_of_vbar_managed_weights(dynamic):
-    _, line = apply_multi_gpu_decode(dynamic, MultiGPUDecodeConfig(helper_copy="copy"))
+    config = MultiGPUDecodeConfig(helpers=(), helper_copy="copy")
+    same, line = apply_multi_gpu_decode(dynamic, config)
+    assert same is dynamic
     assert line.startswith("NOT ACTIVE: helper_copy='copy' under DynamicVRAM"), line
+
+
+@pytest.mark.gpu
+def test_dynamic_vram_without_a_reload_factory_says_why(dynamic):
+    """The core path the helper needs, refused in words (apply_multi_gpu_decode puts them in
+    its NOT ACTIVE line: tests/test_decode_comfyui.py checks that line on the CPU)."""
+    factory = dynamic.patcher.cached_patcher_init
+    dynamic.patcher.cached_patcher_init = None
+    try:
+        with pytest.raises(core.CoreMissing, match="registered no reload factory"):
+            core.multi_gpu_clone(dynamic.patcher, torch.device("cuda", 0))
+    finally:
+        dynamic.patcher.cached_patcher_init = factory
 
 
 @pytest.mark.multi_gpu
 def test_dynamic_vram_split_on_gpus_is_bit_identical(dynamic):
     assert torch.cuda.device_count() >= 2
+    _needs_factory(dynamic)
     z = _latent(37)  # 7 windows
     with torch.inference_mode():
         expected = dynamic.decode(z)
