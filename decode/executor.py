@@ -18,11 +18,12 @@ again as the model's loop would have: `_finalize_pixels(blend(tail, head, frame_
 dim=-3))`. The blend is elementwise, so any device gives the same bits. A release whose loop
 does not hand those pieces over (`NotFollowed`) is decoded again on the root by its own loop.
 
-One worker thread per range; two ranges on one GPU (a plumbing test on one card) take turns,
-as ComfyUI's per-device offload streams and cast buffers are not made for two threads at
-once. The calling thread only orchestrates: it counts finished windows
-for the progress bar, polls the interrupt check, and when a helper fails it lets the others
-finish, then decodes the helper's range on the root, with one warning.
+The root's range runs on the calling thread, each helper's on a thread of its own (as ComfyUI's
+multi-GPU thread pool runs the devices other than the main one); two ranges on one GPU (a
+plumbing test on one card) take turns, as ComfyUI's per-device offload streams and cast buffers
+are not made for two threads at once. Between its windows the calling thread counts finished
+windows for the progress bar and checks ComfyUI's interrupt; when a helper fails it lets the
+others finish, then decodes the helper's range on the root, with one warning.
 
 Legend: B batch, C=3 channels, F frames, H x W pixels; z_BCTHW is the latent.
 """
@@ -291,19 +292,16 @@ class SplitDecode:
             torch.cuda.synchronize(device)  # every write of the range is done
         return part
 
-    def _work(self, k: int, z_BCTHW: torch.Tensor, ready, grad: bool, inference: bool,
-              events: queue.Queue) -> None:
-        share = self.shares[k]
+    def _work(self, k: int, z_BCTHW: torch.Tensor, ready, grad: bool, inference: bool) -> None:
+        """A helper's range, on its own thread (as ComfyUI's multi-GPU thread pool runs the
+        devices other than the main one)."""
+        share, events = self.shares[k], self._events
         try:
             turn = self._turns.get(str(share.device), contextlib.nullcontext())
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
                     device_context(share.device), turn:
                 lo, hi = self._latent_range(share.windows, z_BCTHW.shape[2])
-                z_range = z_BCTHW[:, :, lo:hi]
-                if k == 0:
-                    model = share.model
-                else:
-                    model, z_range = self._helper_inputs(share, z_range, ready)
+                model, z_range = self._helper_inputs(share, z_BCTHW[:, :, lo:hi], ready)
                 part = self._decode_range(k, model, share.device, z_range,
                                           lambda i: events.put(("window", k, i)))
             events.put(("done", k, part))
@@ -314,75 +312,106 @@ class SplitDecode:
         finally:
             events.put(("exit", k, None))
 
+    # --- the calling thread: the root's range, progress, interrupt, failures ------------------
+
+    def _count(self, window: int) -> None:
+        if window not in self._counted:
+            self._counted.add(window)
+            self.progress(1)
+
+    def _handle(self, kind: str, k: int, payload) -> int:
+        """One event from a helper; 1 when that helper's thread is done."""
+        if kind == "window":
+            self._count(payload)
+        elif kind == "done":
+            self._parts[k] = payload
+        elif kind == "failed":
+            self._failed.append(k)
+            device, root = self.shares[k].device, self.shares[0].device
+            self.report.failed[str(device)] = f"{type(payload).__name__}: {payload}"
+            log.warning("H3 multi-GPU decode: %s failed (%s: %s); its windows are decoded on "
+                        "the root %s", device, type(payload).__name__, payload, root)
+        return int(kind == "exit")
+
+    def _check_interrupt(self) -> None:
+        """ComfyUI's interrupt: every range stops after its current window; raised here."""
+        if self._interrupt is None:
+            try:
+                self.check_interrupt()
+            except BaseException as exc:
+                self._interrupt = exc
+                self.stop.set()
+                raise
+
+    def _poll(self, timeout: float | None) -> int:
+        """Handle the helpers' events (waiting up to `timeout` for the first; None: do not
+        wait); return how many helper threads ended."""
+        ended = 0
+        while True:
+            try:
+                event = (self._events.get(timeout=timeout) if timeout is not None
+                         else self._events.get_nowait())
+            except queue.Empty:
+                break
+            ended += self._handle(*event)
+            timeout = None
+        with contextlib.suppress(BaseException):
+            self._check_interrupt()
+        return ended
+
+    def _root_window(self, window: int) -> None:
+        """After each of the root's windows: count it, take in the helpers' news, and raise
+        ComfyUI's interrupt here (the root's loop stops after this window)."""
+        self._count(window)
+        self._alive -= self._poll(None)
+        self._check_interrupt()
+
     # --- the whole decode -------------------------------------------------------------------
 
     def run(self, z_BCTHW: torch.Tensor) -> DecodeReport:
-        """Decode latent z (de-normalised, on the root) into `output`; return the report."""
+        """Decode latent z (de-normalised, on the root) into `output`; return the report.
+
+        The root's range runs on the calling thread (ComfyUI's, where VAE.decode loaded the
+        model), each helper's on a thread of its own."""
         started = time.perf_counter()
         self._plan_cuts(z_BCTHW)
         root = self.shares[0]
         ready = record(current_stream(root.device))
-        events: queue.Queue = queue.Queue()
+        self._events, self._counted, self._parts, self._failed = queue.Queue(), set(), {}, []
+        self._interrupt = None
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        threads = [threading.Thread(target=self._work, name=f"h3-decode-{s.device}",
-                                    args=(k, z_BCTHW, ready, grad, inference, events),
-                                    daemon=True)
-                   for k, s in enumerate(self.shares) if s.count]
+        threads = [threading.Thread(target=self._work, name=f"h3-decode-{k}-{s.device}",
+                                    args=(k, z_BCTHW, ready, grad, inference), daemon=True)
+                   for k, s in enumerate(self.shares) if k and s.count]
         for t in threads:
             t.start()
-        counted: set[int] = set()
-        parts: dict[int, _Range] = {}
-        failed: list[int] = []
+        self._alive = len(threads)
         root_error: BaseException | None = None
-        interrupt: BaseException | None = None
-        alive = len(threads)
-        while alive:
+        if root.count:
+            lo, hi = self._latent_range(root.windows, z_BCTHW.shape[2])
+            turn = self._turns.get(str(root.device), contextlib.nullcontext())
             try:
-                kind, k, payload = events.get(timeout=self.poll_seconds)
-            except queue.Empty:
-                kind = None
-            if kind == "window":
-                if payload not in counted:
-                    counted.add(payload)
-                    self.progress(1)
-            elif kind == "done":
-                parts[k] = payload
-            elif kind == "failed":
-                if k == 0:
-                    root_error = payload
-                    self.stop.set()
-                else:
-                    failed.append(k)
-                    device = self.shares[k].device
-                    self.report.failed[str(device)] = f"{type(payload).__name__}: {payload}"
-                    log.warning("H3 multi-GPU decode: %s failed (%s: %s); its windows are "
-                                "decoded on the root %s", device, type(payload).__name__,
-                                payload, root.device)
-            elif kind == "exit":
-                alive -= 1
-            if interrupt is None:
-                try:
-                    self.check_interrupt()
-                except BaseException as exc:  # ComfyUI's interrupt: stop after this window
-                    interrupt = exc
-                    self.stop.set()
+                with device_context(root.device), turn:
+                    self._parts[0] = self._decode_range(0, root.model, root.device,
+                                                        z_BCTHW[:, :, lo:hi], self._root_window)
+            except BaseException as exc:
+                if exc is not self._interrupt and not isinstance(exc, _Stopped):
+                    root_error = exc
+                self.stop.set()  # the helpers stop after their current window
+        while self._alive:
+            self._alive -= self._poll(self.poll_seconds)
         for t in threads:
             t.join()
-        if interrupt is not None:
-            raise interrupt
+        if self._interrupt is not None:
+            raise self._interrupt
         if root_error is not None:
             raise root_error
-        for k in failed:  # on the root, in this thread: the model's own loop again
+        for k in self._failed:  # on the root, in this thread: the model's own loop again
             lo, hi = self._latent_range(self.shares[k].windows, z_BCTHW.shape[2])
-
-            def count(i: int) -> None:
-                if i not in counted:
-                    counted.add(i)
-                    self.progress(1)
-
-            parts[k] = self._decode_range(k, root.model, root.device, z_BCTHW[:, :, lo:hi],
-                                          count)
-        self._blend_cuts(parts)
+            with device_context(root.device):
+                self._parts[k] = self._decode_range(k, root.model, root.device,
+                                                    z_BCTHW[:, :, lo:hi], self._count)
+        self._blend_cuts(self._parts)
         self.report.seconds = time.perf_counter() - started
         return self.report
 

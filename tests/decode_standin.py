@@ -13,6 +13,8 @@ each window: the root's model and any view of it share one decoder, each copy ha
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -60,7 +62,8 @@ class StandInVideoVAE(nn.Module):
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         self.to(dtype)
-        self.calls: list[int] = []  # id of the module that decoded each window
+        self.calls: list[int] = []  # id of the decoder that decoded each window
+        self.call_threads: list[str] = []  # the thread each window was decoded on
         self.fail_copies_after: int | None = None  # a copy raises after this many windows
         self._origin = [self]
 
@@ -112,6 +115,7 @@ class StandInVideoVAE(nn.Module):
             if sum(1 for c in self.calls if c == mine) >= self.fail_copies_after:
                 raise RuntimeError("simulated helper failure")
         self.calls.append(mine)
+        self.call_threads.append(threading.current_thread().name)
         return self.tiled_decode(z)
 
     def _finalize_pixels(self, part: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ own one-device loop (`decode_temporal`); the real upstream class is in test_deco
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -147,6 +148,17 @@ def test_shares_must_cover_the_windows_in_order():
 
 
 # --- progress, interrupt, failure ------------------------------------------------------------
+
+def test_the_roots_windows_run_on_the_calling_thread_and_each_helper_on_its_own():
+    """As ComfyUI's multi-GPU thread pool runs devices: the main one on the caller's thread."""
+    model = StandInVideoVAE()
+    _split(model, _latent(37), [(0, 3), (3, 5), (5, 7)])
+    root = id(model.decoder)
+    here = threading.current_thread().name
+    assert {t for c, t in zip(model.calls, model.call_threads, strict=True) if c == root} == {here}
+    helpers = {t for c, t in zip(model.calls, model.call_threads, strict=True) if c != root}
+    assert len(helpers) == 2 and here not in helpers
+
 
 def test_progress_counts_each_window_once():
     model = StandInVideoVAE()
