@@ -29,8 +29,8 @@ WINDOW_ATTRS = ("tokens_chunk_size", "token_overlap", "frame_overlap")
 # replaced on the instance would not follow a view or a copy of the model
 INNER = ("tiled_decode", "_decode_tile_row", "split_tiles")
 SHAPES = {
-    "0.33.0": "tiled_decode decodes one tile per decoder call (the ComfyUI 0.33.0 VAE)",
-    "newest": "tiled_decode batches tiles per decoder call (_decode_tile_row, the newest VAE)",
+    "0.33.0": "the ComfyUI 0.33.0 VAE: tiled_decode decodes one tile per decoder call",
+    "newest": "the newest VAE: tiled_decode batches tiles per decoder call (_decode_tile_row)",
 }
 
 
