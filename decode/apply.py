@@ -170,7 +170,9 @@ class MultiGPUDecode:
             why = self._room(helper.device, replica_bytes(self.model) + work)
             return (None, why) if why else (None, None)
         patcher = helper.patcher
-        weights = 0 if core.is_dynamic(patcher) else replica_bytes(patcher.model)
+        # DynamicVRAM streams the clone's weights; else what is not loaded there yet
+        weights = 0 if core.is_dynamic(patcher) else \
+            max(0, replica_bytes(patcher.model) - core.loaded_bytes(patcher))
         why = self._room(helper.device, weights + work, patcher)
         if why is not None:
             return None, why

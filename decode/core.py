@@ -66,6 +66,13 @@ def load_for_decode(patcher: Any, memory_required: int) -> None:
     mm.load_models_gpu([patcher], memory_required=int(memory_required))
 
 
+def loaded_bytes(patcher: Any) -> int:
+    """`ModelPatcher.loaded_size()`: the weight bytes ComfyUI has on the patcher's load device
+    now (0.33.0, newest files); 0 when the patcher cannot say."""
+    size = getattr(patcher, "loaded_size", None)
+    return int(size()) if callable(size) else 0
+
+
 def free_bytes(device: torch.device, patcher: Any | None = None) -> int | None:
     """Free memory on `device` as ComfyUI counts it: `patcher.get_free_memory(device)` (adds
     aimdo's evictable VRAM under DynamicVRAM) or `model_management.get_free_memory(device)`
