@@ -125,6 +125,7 @@ def timed_decode(vae, latent, mm, repeats: int) -> tuple[torch.Tensor, list[floa
 
 def run(args: argparse.Namespace) -> dict:
     from h3_multigpu.decode.apply import MultiGPUDecodeConfig, apply_multi_gpu_decode, find_patch
+    from h3_multigpu.decode.core import tensor_bytes
     from h3_multigpu.decode.replica import replica_bytes
     from h3_multigpu.decode.windows import frames_to_latents
     from h3_multigpu.planner.decode import decode_memory
@@ -137,8 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     vae = build_vae(comfy, dtype, tiny=args.dry_run)
     model = vae.first_stage_model
-    weights = sum(t.numel() * t.element_size()
-                  for t in (*model.parameters(), *model.buffers()))
+    weights = sum(tensor_bytes(t) for t in (*model.parameters(), *model.buffers()))
     config = MultiGPUDecodeConfig(helpers=("cpu",) if args.dry_run else None)
     patched, line = apply_multi_gpu_decode(vae, config)
     patch = find_patch(patched)

@@ -2,8 +2,10 @@
 
 `windows` (pure): the decoder's temporal windows and how they are cut between devices.
 `sizing` (pure): measured memory and time of a window, for the planner.
-`replica`: a decoding copy of the loaded VAE on another device.
-`executor`: the threads that decode the windows and write one output buffer.
+`release`: what the split needs of the VAE class, detected per release (0.33.0, newest files).
+`core`: every ComfyUI internal the decode uses (multi-GPU clones, loading, free memory, ...).
+`replica`: a decoding copy of the loaded VAE on another device (DynamicVRAM off).
+`executor`: the threads that run the VAE's own window loop per device into one output buffer.
 `apply`: the ComfyUI seam (`apply_multi_gpu_decode`, an object patch on `decode_temporal`).
 """
 
@@ -15,7 +17,8 @@ __all__ = ["WindowLayout", "assign_windows", "frames_to_latents", "parse_weights
 
 def __getattr__(name: str):
     # torch-side names load lazily so the planner imports `decode.sizing` without torch
-    if name in ("MultiGPUDecodeConfig", "apply_multi_gpu_decode", "MultiGPUDecode", "find_patch"):
+    if name in ("MultiGPUDecodeConfig", "apply_multi_gpu_decode", "MultiGPUDecode", "find_patch",
+                "HelperCopy", "Helper", "install"):
         from . import apply
 
         return getattr(apply, name)

@@ -1,17 +1,29 @@
 """Decode the windows of one video latent on several devices into one output buffer.
 
-One worker thread per device decodes a contiguous range of windows with the model's own window
-code (`_adaptive_decode`: spatial tiles, tile batches, in the VAE dtype) on that device's copy
-of the decoder. Each window's frames are finalised (float32, [0, 1]) on its device and written
-straight into the caller's output buffer by a second thread per device, on a side stream, while
-the device decodes its next window. Across a cut between two devices the 5 cross-faded frames
-need the tail of one window and the head of the next: whichever device finishes the second of
-the two pieces fetches the other piece (5 frames) and does the cross-fade, which is elementwise
-and so gives the same bits on either device.
+Each device gets a contiguous range of windows [a, b) and runs the VAE's own `decode_temporal`
+on the latent frames those windows read (cut at window starts, so the range needs no padding
+except at the end of the clip, where the model pads as it always does), writing straight into
+its part of the caller's output buffer: the output frames from window a's head up to window b's
+head. Everything inside the range, windows, tiles, tile batches, cross-fades, finalisation and
+writes, is the release's own code (`decode.release`).
 
-The main thread only orchestrates: it counts finished windows for the progress bar, polls the
-interrupt check, and when a helper fails it lets the others finish, then decodes the helper's
-range (and the two neighbouring windows' boundary pieces) on the root, with one warning.
+Each range writes exactly what the model's loop writes for that latent on its own
+(`decode_output_shape` of the range), starting at its first head. Across a cut the model's loop
+over the whole clip would have cross-faded window a-1's tail into window a's head; instead range
+k-1 wrote its last tail as is (as the end of its clip) and range k its first head as is (there
+was no tail before it), both over the same first frames of range k. The split sees both raw
+pieces (the first part and the last tail the model hands to `_finalize_pixels` in a range, on a
+view of the model that wraps that method) and, once every range is done, writes the cut's head
+again as the model's loop would have: `_finalize_pixels(blend(tail, head, frame_overlap,
+dim=-3))`. The blend is elementwise, so any device gives the same bits. A release whose loop
+does not hand those pieces over (`NotFollowed`) is decoded again on the root by its own loop.
+
+The root's range runs on the calling thread, each helper's on a thread of its own (as ComfyUI's
+multi-GPU thread pool runs the devices other than the main one); two ranges on one GPU (a
+plumbing test on one card) take turns, as ComfyUI's per-device offload streams and cast buffers
+are not made for two threads at once. Between its windows the calling thread counts finished
+windows for the progress bar and checks ComfyUI's interrupt; when a helper fails it lets the
+others finish, then decodes the helper's range on the root, with one warning.
 
 Legend: B batch, C=3 channels, F frames, H x W pixels; z_BCTHW is the latent.
 """
@@ -19,11 +31,12 @@ Legend: B batch, C=3 channels, F frames, H x W pixels; z_BCTHW is the latent.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +44,7 @@ from torch import nn
 
 from ..exchange.streams import current_stream, new_stream, on_streams, record, wait
 from ..guard.device import device_context
-from .replica import make_replica
+from .replica import drop_restored_methods, make_replica
 from .windows import WindowLayout
 
 log = logging.getLogger("h3_multigpu")
@@ -39,11 +52,15 @@ log = logging.getLogger("h3_multigpu")
 
 @dataclass
 class DeviceShare:
-    """One device's part: its windows [start, stop) and, for the root, the loaded model."""
+    """One device's part: its windows [start, stop) and the model that decodes them there.
+
+    model: the root's loaded model, a helper's model that ComfyUI loaded there (its multi-GPU
+    clone), or None: a copy of the root's model is made on `device` (`decode.replica`).
+    """
 
     device: torch.device
     windows: tuple[int, int]
-    model: nn.Module | None = None  # None: a copy of the root's model is made on `device`
+    model: nn.Module | None = None
 
     @property
     def count(self) -> int:
@@ -59,7 +76,7 @@ class DecodeReport:
     seconds: float = 0.0
     copy_seconds: dict[str, float] = field(default_factory=dict)  # decoder copy per helper
     failed: dict[str, str] = field(default_factory=dict)  # helper -> error, its windows redone
-    handovers: int = 0  # boundary pieces fetched from another device
+    handovers: int = 0  # cuts cross-faded from the pieces of two ranges (one per cut)
     tile_batches: dict[int, tuple[int, ...]] = field(default_factory=dict)  # window -> calls
 
     @property
@@ -77,117 +94,71 @@ class DecodeReport:
         return text
 
 
-class _HostWriter:
-    """Writes finished frames into the output on a side stream of their device.
-
-    `put` returns at once unless `depth` parts are already waiting, which bounds the device
-    memory held by frames in flight to `depth` float32 heads.
-    """
-
-    def __init__(self, device: torch.device, output: torch.Tensor, depth: int) -> None:
-        self.device = device
-        self.output = output
-        self.stream = new_stream(device)
-        self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name=f"h3-decode-write-{device}",
-                                       daemon=True)
-        self.thread.start()
-
-    def put(self, frames_BCFHW: torch.Tensor, start: int) -> None:
-        if self.error is not None:
-            raise self.error
-        # the side stream must not read the frames before the decode that made them finished
-        ready = record(current_stream(self.device))
-        self.queue.put((frames_BCFHW, start, ready))
-
-    def _loop(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            frames, start, ready = item
-            if self.error is not None:
-                continue  # drain: the worker sees the error at its next put or at close
-            try:
-                # a plain copy: ComfyUI decodes under inference mode, and its output (an
-                # inference tensor) accepts in-place writes only inside inference mode, which
-                # a new thread does not inherit
-                with torch.inference_mode(), device_context(self.device), \
-                        on_streams(self.stream):
-                    wait(self.stream, ready)
-                    self._write(frames, start)
-                    if self.stream is not None:
-                        # the allocator must not hand these frames to the decode stream again
-                        # until this side stream has read them
-                        frames.record_stream(self.stream)
-            except BaseException as exc:  # reported to the worker, which fails its device
-                self.error = exc
-            del frames
-
-    def _write(self, frames: torch.Tensor, start: int) -> None:
-        stop = min(start + frames.shape[2], self.output.shape[2])
-        if stop <= start:
-            return  # frames past the output's end (padding): upstream drops them too
-        n = stop - start
-        # per (sample, channel) the target is one contiguous block: a direct copy, no staging
-        for b in range(frames.shape[0]):
-            for c in range(frames.shape[1]):
-                self.output[b, c, start:stop].copy_(frames[b, c, :n])
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
-        if self.stream is not None:
-            # the output must be complete when the decode returns (device-to-device targets)
-            self.stream.synchronize()
-        if self.error is not None:
-            raise self.error
+class _Stopped(Exception):
+    """Raised inside a worker's window loop once the decode is stopped (interrupt, root error)."""
 
 
-@dataclass
-class _Piece:
-    frames_BCFHW: torch.Tensor  # raw decoder frames (VAE dtype) on the device that made them
-    owner: int  # which lane made it
+class NotFollowed(RuntimeError):
+    """The VAE's window loop did not behave as the split follows it (a release it does not
+    know): the caller decodes the whole clip on the root with the model's own loop."""
 
 
-class _Pieces:
-    """Boundary pieces (a window's 5-frame tail, the next window's first 5 head frames) until
-    both sides of a boundary exist; then exactly one thread claims the boundary."""
+class _Range:
+    """One range of windows on one device: the model's own `decode_temporal` on a view of the
+    device's model whose `_adaptive_decode`, `_decode_pixels` and `_finalize_pixels` are wrapped
+    to count windows, record tile batches and keep the two boundary pieces. The wrappers call
+    the class's own methods with the same arguments and return their results unchanged."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.tails: dict[int, _Piece] = {}
-        self.heads: dict[int, _Piece] = {}
-        self.claimed: set[int] = set()
+    def __init__(self, run: SplitDecode, model: nn.Module, windows: tuple[int, int],
+                 on_window: Callable[[int], None]) -> None:
+        self.run, self.windows, self.on_window = run, windows, on_window
+        self.cls = type(model)
+        view = copy.copy(model)  # shares every module and tensor; our wrappers live on it only
+        drop_restored_methods(view, model)
+        view.__dict__.pop("decode_temporal", None)  # our own object patch, when on the root
+        view._adaptive_decode = self._adaptive_decode
+        view._decode_pixels = self._decode_pixels
+        view._finalize_pixels = self._finalize_pixels
+        self.view = view
+        self.done = 0  # windows decoded so far
+        self.window: int | None = None  # the window being decoded (for the tile batches)
+        self.first_part: torch.Tensor | None = None  # the first head, raw, before any blend
+        self.last_part: torch.Tensor | None = None  # the last part of the last window
+        self.last_window_parts = 0  # parts of the last window (2: a head and a tail)
 
-    def add(self, window: int, head: _Piece | None, tail: _Piece | None
-            ) -> list[tuple[int, _Piece, _Piece]]:
-        """Register a finished window's pieces; return the boundaries now ready (claimed)."""
-        ready = []
-        with self.lock:
-            if head is not None:
-                self.heads[window] = head
-            if tail is not None:
-                self.tails[window] = tail
-            for b in (window, window + 1):
-                if b in self.claimed or b - 1 not in self.tails or b not in self.heads:
-                    continue
-                self.claimed.add(b)
-                ready.append((b, self.tails.pop(b - 1), self.heads.pop(b)))
-        return ready
+    @property
+    def count(self) -> int:
+        return self.windows[1] - self.windows[0]
 
+    def _adaptive_decode(self, clip: torch.Tensor) -> torch.Tensor:
+        if self.run.stop.is_set():
+            raise _Stopped()
+        self.window = self.windows[0] + self.done
+        out = self.cls._adaptive_decode(self.view, clip)
+        self.window = None
+        self.done += 1
+        self.on_window(self.windows[0] + self.done - 1)
+        return out
 
-@dataclass
-class _Lane:
-    """What a thread needs to decode windows on one device."""
+    def _decode_pixels(self, z: torch.Tensor) -> torch.Tensor:
+        self.run.record_call(self.window, int(z.shape[0]))
+        return self.cls._decode_pixels(self.view, z)
 
-    device: torch.device
-    model: nn.Module
-    z_BCTHW: torch.Tensor  # latent frames [latent_start, ...) on this device
-    latent_start: int
-    writer: _HostWriter
-    owner: int
+    def _finalize_pixels(self, part: torch.Tensor) -> torch.Tensor:
+        if self.first_part is None and self.windows[0] > 0:
+            self.first_part = part.clone()  # a view would keep the whole window alive
+        if self.done == self.count:
+            self.last_window_parts += 1
+            self.last_part = part
+        return self.cls._finalize_pixels(self.view, part)
+
+    def decode(self, z_BCTHW: torch.Tensor, output: torch.Tensor) -> None:
+        self.cls.decode_temporal(self.view, z_BCTHW, output)
+
+    @property
+    def tail(self) -> torch.Tensor | None:
+        """The last window's tail (None when the model keeps no tails)."""
+        return self.last_part if self.last_window_parts >= 2 else None
 
 
 class SplitDecode:
@@ -195,7 +166,7 @@ class SplitDecode:
 
     def __init__(self, model: nn.Module, layout: WindowLayout, shares: list[DeviceShare], *,
                  output: torch.Tensor, progress: Callable[[int], None] | None = None,
-                 check_interrupt: Callable[[], None] | None = None, copy_depth: int = 1,
+                 check_interrupt: Callable[[], None] | None = None,
                  poll_seconds: float = 0.05) -> None:
         if not shares or shares[0].model is None:
             raise ValueError("the first share is the root's and needs the loaded model")
@@ -205,75 +176,87 @@ class SplitDecode:
         self.output = output
         self.progress = progress or (lambda n: None)
         self.check_interrupt = check_interrupt or (lambda: None)
-        self.copy_depth = copy_depth
         self.poll_seconds = poll_seconds
-        self.pieces = _Pieces()
+        self.stop = threading.Event()
         self.report = DecodeReport([str(s.device) for s in shares], [s.windows for s in shares])
         self._report_lock = threading.Lock()
-        self._current = threading.local()
         self._windows = 0
+        self._pad = 0
+        # ranges on one GPU take turns (ComfyUI's per-device offload streams, cast buffers)
+        self._turns = {str(d): threading.Lock() for d in {s.device for s in shares}
+                       if d.type == "cuda" and sum(s.device == d for s in shares) > 1}
+        self._offsets: list[int] = []  # output frame of each share's first head
+        self._lengths: list[int] = []  # frames each share's range writes (its own output)
 
-    # --- one window -----------------------------------------------------------------------
+    # --- where each range reads and writes ------------------------------------------------------
 
-    def _window(self, lane: _Lane, i: int, emit: bool = True
-                ) -> tuple[_Piece | None, _Piece | None]:
-        """Decode window i on `lane`; write its own frames; return its boundary pieces."""
-        layout, model = self.layout, lane.model
-        first = i * layout.stride - lane.latent_start
-        clip = lane.z_BCTHW[:, :, first:first + layout.window_latents]
-        self._current.window = i
-        raw = model._adaptive_decode(clip)  # the model's own tiles and tile batches
-        self._current.window = None
-        split = layout.stride * layout.frames_per_latent  # decoded frames before the tail
-        head = raw[:, :, layout.lead_drop:split]
-        tail = raw[:, :, split + layout.lead_drop:] if layout.tail_frames else None
-        blend = layout.blend_frames if tail is not None else 0
-        last = i == self._windows - 1
-        if emit:
-            skip = blend if i > 0 else 0  # the first frames of a head wait for the cross-fade
-            self._emit(lane, head[:, :, skip:], layout.head_start(i) + skip)
-            if last and tail is not None:
-                self._emit(lane, tail, layout.head_start(i + 1))
-        # clones: a view would keep the whole decoded window alive
-        head_piece = _Piece(head[:, :, :blend].clone(), lane.owner) if i > 0 and blend else None
-        tail_piece = (_Piece(tail[:, :, tail.shape[2] - blend:].clone(), lane.owner)
-                      if not last and blend else None)
-        return head_piece, tail_piece
+    def _plan_cuts(self, z_BCTHW: torch.Tensor) -> None:
+        """Window count and padding from the model's own `_decode_temporal_chunks`, and the
+        output frame where each window's head starts, from its own `decode_output_shape`:
+        window a's head starts where the frames of the windows from a to the end do not
+        reach. ValueError when a cut would not give the model's own ranges."""
+        model, t = self.model, z_BCTHW.shape[2]
+        self._pad, self._windows = model._decode_temporal_chunks(t)
+        covered = [i for s in self.shares for i in range(*s.windows)]
+        if covered != list(range(self._windows)):
+            raise ValueError(f"the shares {[s.windows for s in self.shares]} do not cover the "
+                             f"{self._windows} windows in order")
+        shape = tuple(z_BCTHW.shape)
+        total = model.decode_output_shape(shape)[2]
+        if total != self.output.shape[2]:
+            raise ValueError(f"the output has {self.output.shape[2]} frames, the VAE decodes "
+                             f"{total} from this latent")
+        self._offsets, self._lengths = [], []
+        for share in self.shares:
+            a, b = share.windows
+            if a == b:
+                self._offsets.append(self._offsets[-1] if self._offsets else 0)
+                self._lengths.append(0)
+                continue
+            lo, hi = self._latent_range(share.windows, t)
+            pad, count = model._decode_temporal_chunks(hi - lo)
+            if count != b - a or pad != (self._pad if b == self._windows else 0):
+                raise NotFollowed(f"latent frames {lo}-{hi - 1} decode as {count} window(s) "
+                                  f"with {pad} padded, not as windows {a}-{b - 1}: this VAE's "
+                                  f"windows do not cut at multiples of {self.layout.stride} "
+                                  f"latent frames")
+            suffix = model.decode_output_shape(shape[:2] + (t - lo,) + shape[3:])[2]
+            self._offsets.append(total - suffix)
+            self._lengths.append(model.decode_output_shape(shape[:2] + (hi - lo,) + shape[3:])[2])
+        starts = [o for o, n in zip(self._offsets, self._lengths, strict=True) if n]
+        if starts != sorted(starts) or starts[0] != 0:
+            raise NotFollowed(f"the ranges' first heads would land at frames {starts}")
 
-    def _emit(self, lane: _Lane, raw: torch.Tensor, start: int) -> None:
-        if raw.shape[2] == 0:
-            return
-        lane.writer.put(lane.model._finalize_pixels(raw), start)
-
-    def _crossfade(self, lane: _Lane, b: int, tail: _Piece, head: _Piece) -> None:
-        """Boundary b: the last frames of window b-1 faded into the first frames of window b,
-        with the model's own blend (elementwise, so exact on any device). A piece made by
-        another lane is handed over (a peer copy of 5 frames)."""
-        # the copy runs on the owner's current stream in this thread (its default stream, the
-        # one that produced the piece), so it reads the piece only once it is finished
-        t, h = (p.frames_BCFHW.to(lane.device) for p in (tail, head))
-        mixed = lane.model.blend(t, h, self.layout.crossfade, dim=-3)
-        self._emit(lane, mixed, self.layout.head_start(b))
-        with self._report_lock:
-            self.report.handovers += (tail.owner != lane.owner) + (head.owner != lane.owner)
-
-    def _finish_window(self, lane: _Lane, i: int) -> None:
-        head, tail = self._window(lane, i)
-        for b, t, h in self.pieces.add(i, head, tail):
-            self._crossfade(lane, b, t, h)
-
-    # --- devices ----------------------------------------------------------------------------
-
-    def _lane(self, share: DeviceShare, z_BCTHW: torch.Tensor, ready) -> _Lane:
-        """Model and latent range on `share.device` (a helper copies both from the root)."""
-        a, b = share.windows
+    def _latent_range(self, windows: tuple[int, int], t: int) -> tuple[int, int]:
+        """Latent frames [lo, hi) the windows read (the last range: to the end of the clip)."""
+        a, b = windows
         lo = a * self.layout.stride
-        hi = (b - 1) * self.layout.stride + self.layout.window_latents
-        if share.model is not None:  # the root: its model and latent are already there
-            return _Lane(share.device, share.model, z_BCTHW[:, :, lo:hi], lo,
-                         _HostWriter(share.device, self.output, self.copy_depth),
-                         self.shares.index(share))
+        hi = t if b == self._windows else (b - 1) * self.layout.stride + \
+            self.layout.window_latents
+        return lo, hi
+
+    def _output_part(self, k: int) -> torch.Tensor:
+        """Share k's part of the output: what its range writes, from its first head on (its
+        last tail overlaps the next range's first frames, written again at the cut)."""
+        start = self._offsets[k]
+        return self.output[:, :, start:min(start + self._lengths[k], self.output.shape[2])]
+
+    # --- the devices ------------------------------------------------------------------------------
+
+    def record_call(self, window: int | None, batch: int) -> None:
+        if window is None:
+            return
+        with self._report_lock:
+            calls = self.report.tile_batches.get(window, ())
+            self.report.tile_batches[window] = (*calls, batch)
+
+    def _helper_inputs(self, share: DeviceShare, z_BCTHW: torch.Tensor, ready
+                       ) -> tuple[nn.Module, torch.Tensor]:
+        """The helper's model (a copy of the root's unless ComfyUI loaded one) and latent range
+        on its device."""
         root = self.shares[0].device
+        if share.model is not None and share.device == root:
+            return share.model, z_BCTHW  # a second model on the root's device (tests, 1 GPU)
         src_side, dst_side = new_stream(root), new_stream(share.device)
         # the copies run on side streams of both GPUs so they do not queue behind the root's
         # decoding; they must start after the root's weights and latent are complete ...
@@ -288,150 +271,175 @@ class SplitDecode:
                 out.copy_(t.detach(), non_blocking=True)
             return out
 
-        model = make_replica(self.model, share.device, move)
-        z_local = move(z_BCTHW[:, :, lo:hi], share.device)
+        model = share.model if share.model is not None else \
+            make_replica(self.model, share.device, move)
+        z_local = move(z_BCTHW, share.device)
         # the helper's decoding (its current stream) must see the finished copies
         wait(current_stream(share.device), record(dst_side))
         if dst_side is not None:
             dst_side.synchronize()  # time the copy honestly; it is once per decode
-        with self._report_lock:
-            self.report.copy_seconds[str(share.device)] = time.perf_counter() - started
-        return _Lane(share.device, model, z_local, lo,
-                     _HostWriter(share.device, self.output, self.copy_depth),
-                     self.shares.index(share))
+        if share.model is None:
+            with self._report_lock:
+                self.report.copy_seconds[str(share.device)] = time.perf_counter() - started
+        return model, z_local
 
-    def _work(self, share: DeviceShare, z_BCTHW: torch.Tensor, ready, grad: bool,
-              inference: bool, events: queue.Queue, stop: threading.Event) -> None:
+    def _decode_range(self, k: int, model: nn.Module, device: torch.device,
+                      z_BCTHW: torch.Tensor, on_window: Callable[[int], None]) -> _Range:
+        """Share k's windows with `model` on `device`; z_BCTHW is the latent range there."""
+        part = _Range(self, model, self.shares[k].windows, on_window)
+        part.decode(z_BCTHW, self._output_part(k))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # every write of the range is done
+        return part
+
+    def _work(self, k: int, z_BCTHW: torch.Tensor, ready, grad: bool, inference: bool) -> None:
+        """A helper's range, on its own thread (as ComfyUI's multi-GPU thread pool runs the
+        devices other than the main one)."""
+        share, events = self.shares[k], self._events
         try:
+            turn = self._turns.get(str(share.device), contextlib.nullcontext())
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
-                    device_context(share.device):
-                lane = self._lane(share, z_BCTHW, ready)
-                try:
-                    for i in range(*share.windows):
-                        if stop.is_set():
-                            break
-                        self._finish_window(lane, i)
-                        events.put(("window", share, i))
-                finally:
-                    lane.writer.close()
-                if share.device.type == "cuda":
-                    torch.cuda.synchronize(share.device)  # every write and piece is done
+                    device_context(share.device), turn:
+                lo, hi = self._latent_range(share.windows, z_BCTHW.shape[2])
+                model, z_range = self._helper_inputs(share, z_BCTHW[:, :, lo:hi], ready)
+                part = self._decode_range(k, model, share.device, z_range,
+                                          lambda i: events.put(("window", k, i)))
+            events.put(("done", k, part))
+        except _Stopped:
+            pass
         except BaseException as exc:
-            events.put(("failed", share, exc))
+            events.put(("failed", k, exc))
         finally:
-            events.put(("exit", share, None))
+            events.put(("exit", k, None))
 
-    @contextlib.contextmanager
-    def _recording(self) -> Iterator[None]:
-        """Record the tile batch of every decoder call, per window: a forward pre-hook on the
-        root's decoder for the length of the decode. The helpers' copies are made after it is
-        registered and copy the decoder's hook dict, so they carry the same hook (no second
-        one); removing it leaves the root's model as it was."""
-        decoder = getattr(self.shares[0].model, "decoder", None)
-        handle = decoder.register_forward_pre_hook(self._count_call) if decoder else None
-        try:
-            yield
-        finally:
-            if handle is not None:
-                handle.remove()
+    # --- the calling thread: the root's range, progress, interrupt, failures ------------------
 
-    def _count_call(self, module: nn.Module, args: tuple) -> None:
-        window = getattr(self._current, "window", None)
-        if window is None or not args:
-            return
-        with self._report_lock:
-            calls = self.report.tile_batches.get(window, ())
-            self.report.tile_batches[window] = (*calls, int(args[0].shape[0]))
+    def _count(self, window: int) -> None:
+        if window not in self._counted:
+            self._counted.add(window)
+            self.progress(1)
+
+    def _handle(self, kind: str, k: int, payload) -> int:
+        """One event from a helper; 1 when that helper's thread is done."""
+        if kind == "window":
+            self._count(payload)
+        elif kind == "done":
+            self._parts[k] = payload
+        elif kind == "failed":
+            self._failed.append(k)
+            device, root = self.shares[k].device, self.shares[0].device
+            self.report.failed[str(device)] = f"{type(payload).__name__}: {payload}"
+            log.warning("H3 multi-GPU decode: %s failed (%s: %s); its windows are decoded on "
+                        "the root %s", device, type(payload).__name__, payload, root)
+        return int(kind == "exit")
+
+    def _check_interrupt(self) -> None:
+        """ComfyUI's interrupt: every range stops after its current window; raised here."""
+        if self._interrupt is None:
+            try:
+                self.check_interrupt()
+            except BaseException as exc:
+                self._interrupt = exc
+                self.stop.set()
+                raise
+
+    def _poll(self, timeout: float | None) -> int:
+        """Handle the helpers' events (waiting up to `timeout` for the first; None: do not
+        wait); return how many helper threads ended."""
+        ended = 0
+        while True:
+            try:
+                event = (self._events.get(timeout=timeout) if timeout is not None
+                         else self._events.get_nowait())
+            except queue.Empty:
+                break
+            ended += self._handle(*event)
+            timeout = None
+        with contextlib.suppress(BaseException):
+            self._check_interrupt()
+        return ended
+
+    def _root_window(self, window: int) -> None:
+        """After each of the root's windows: count it, take in the helpers' news, and raise
+        ComfyUI's interrupt here (the root's loop stops after this window)."""
+        self._count(window)
+        self._alive -= self._poll(None)
+        self._check_interrupt()
 
     # --- the whole decode -------------------------------------------------------------------
 
     def run(self, z_BCTHW: torch.Tensor) -> DecodeReport:
-        """Decode latent z (de-normalised, on the root) into `output`; return the report."""
-        with self._recording():
-            return self._run(z_BCTHW)
+        """Decode latent z (de-normalised, on the root) into `output`; return the report.
 
-    def _run(self, z_BCTHW: torch.Tensor) -> DecodeReport:
+        The root's range runs on the calling thread (ComfyUI's, where VAE.decode loaded the
+        model), each helper's on a thread of its own."""
         started = time.perf_counter()
-        pad, self._windows = self.layout.windows(z_BCTHW.shape[2])
-        if pad:  # like the model: repeat the last latent frame so every window is whole
-            z_BCTHW = torch.cat([z_BCTHW, z_BCTHW[:, :, -1:].repeat(1, 1, pad, 1, 1)], dim=2)
-        covered = [i for s in self.shares for i in range(*s.windows)]
-        if covered != list(range(self._windows)):
-            raise ValueError(f"the shares {[s.windows for s in self.shares]} do not cover the "
-                             f"{self._windows} windows in order")
+        self._plan_cuts(z_BCTHW)
         root = self.shares[0]
         ready = record(current_stream(root.device))
-        events: queue.Queue = queue.Queue()
-        stop = threading.Event()
+        self._events, self._counted, self._parts, self._failed = queue.Queue(), set(), {}, []
+        self._interrupt = None
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        threads = [threading.Thread(target=self._work, name=f"h3-decode-{s.device}",
-                                    args=(s, z_BCTHW, ready, grad, inference, events, stop),
-                                    daemon=True)
-                   for s in self.shares if s.count]
+        threads = [threading.Thread(target=self._work, name=f"h3-decode-{k}-{s.device}",
+                                    args=(k, z_BCTHW, ready, grad, inference), daemon=True)
+                   for k, s in enumerate(self.shares) if k and s.count]
         for t in threads:
             t.start()
-        done: dict[int, set[int]] = {id(s): set() for s in self.shares}
-        failed: list[DeviceShare] = []
+        self._alive = len(threads)
         root_error: BaseException | None = None
-        interrupt: BaseException | None = None
-        alive = len(threads)
-        while alive:
+        if root.count:
+            lo, hi = self._latent_range(root.windows, z_BCTHW.shape[2])
+            turn = self._turns.get(str(root.device), contextlib.nullcontext())
             try:
-                kind, share, payload = events.get(timeout=self.poll_seconds)
-            except queue.Empty:
-                kind = None
-            if kind == "window":
-                done[id(share)].add(payload)
-                self.progress(1)
-            elif kind == "failed":
-                if share is root:
-                    root_error = payload
-                    stop.set()
-                else:
-                    failed.append(share)
-                    self.report.failed[str(share.device)] = f"{type(payload).__name__}: {payload}"
-                    log.warning("H3 multi-GPU decode: %s failed (%s: %s); its windows are "
-                                "decoded on the root %s", share.device, type(payload).__name__,
-                                payload, root.device)
-            elif kind == "exit":
-                alive -= 1
-            if interrupt is None:
-                try:
-                    self.check_interrupt()
-                except BaseException as exc:  # ComfyUI's interrupt: stop after this window
-                    interrupt = exc
-                    stop.set()
+                with device_context(root.device), turn:
+                    self._parts[0] = self._decode_range(0, root.model, root.device,
+                                                        z_BCTHW[:, :, lo:hi], self._root_window)
+            except BaseException as exc:
+                if exc is not self._interrupt and not isinstance(exc, _Stopped):
+                    root_error = exc
+                self.stop.set()  # the helpers stop after their current window
+        while self._alive:
+            self._alive -= self._poll(self.poll_seconds)
         for t in threads:
             t.join()
-        if interrupt is not None:
-            raise interrupt
+        if self._interrupt is not None:
+            raise self._interrupt
         if root_error is not None:
             raise root_error
-        for share in failed:
-            self._redo_on_root(share, z_BCTHW, done[id(share)])
+        for k in self._failed:  # on the root, in this thread: the model's own loop again
+            lo, hi = self._latent_range(self.shares[k].windows, z_BCTHW.shape[2])
+            with device_context(root.device):
+                self._parts[k] = self._decode_range(k, root.model, root.device,
+                                                    z_BCTHW[:, :, lo:hi], self._count)
+        self._blend_cuts(self._parts)
         self.report.seconds = time.perf_counter() - started
         return self.report
 
-    def _redo_on_root(self, share: DeviceShare, z_BCTHW: torch.Tensor, finished: set[int]
-                      ) -> None:
-        """A helper failed: decode its range on the root, and the boundary pieces of the two
-        neighbouring windows (their owners already consumed or still hold them)."""
-        root = self.shares[0]
-        a, b = share.windows
-        pieces = _Pieces()
-        with device_context(root.device):
-            lane = _Lane(root.device, root.model, z_BCTHW, 0,
-                         _HostWriter(root.device, self.output, self.copy_depth), 0)
-            try:
-                for i in range(max(a - 1, 0), min(b + 1, self._windows)):
-                    mine = a <= i < b
-                    head, tail = self._window(lane, i, emit=mine)
-                    # only the boundaries a .. b touch this range; keep the pieces they need
-                    head = head if a <= i <= b else None
-                    tail = tail if a - 1 <= i < b else None
-                    for bd, t, h in pieces.add(i, head, tail):
-                        self._crossfade(lane, bd, t, h)
-                    if mine and i not in finished:
-                        self.progress(1)
-            finally:
-                lane.writer.close()
+    def _blend_cuts(self, parts: dict[int, _Range]) -> None:
+        """Each cut's head written again as the model's loop writes it: the previous range's
+        tail cross-faded into it (`blend`, `_finalize_pixels`: the model's own, elementwise),
+        on the root. NotFollowed (before any write) when a range that wrote past its cut did
+        not hand over a tail, or the next range no raw first head."""
+        model, device = self.shares[0].model, self.shares[0].device
+        cls = type(model)
+        used = sorted(parts)
+        cuts = []
+        for prev, k in zip(used[:-1], used[1:], strict=True):
+            past = self._offsets[prev] + self._lengths[prev] - self._offsets[k]
+            if past <= 0:
+                continue  # the ranges do not overlap: a model without tails fades nothing
+            tail, head = parts[prev].tail, parts[k].first_part
+            if tail is None or head is None or tail.shape[2] != past:
+                raise NotFollowed(f"the window loop wrote {past} frames past the cut at window "
+                                  f"{self.shares[k].windows[0]} without handing its tail and "
+                                  f"the next head to _finalize_pixels as the split expects")
+            cuts.append((k, tail, head))
+        for k, tail, head in cuts:
+            mixed = cls.blend(model, tail.to(device), head.to(device), model.frame_overlap,
+                              dim=-3)
+            pixels = cls._finalize_pixels(model, mixed)
+            start = self._offsets[k]
+            n = min(pixels.shape[2], self.output.shape[2] - start)
+            if n > 0:
+                self.output[:, :, start:start + n].copy_(pixels[:, :, :n])
+            self.report.handovers += 1

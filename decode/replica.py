@@ -1,14 +1,17 @@
-"""A decoding copy of the video VAE on another device.
+"""A decoding copy of the video VAE on another device, made from the loaded root (no DynamicVRAM).
 
 The copy is made from the module ComfyUI has loaded on the root GPU, tensor by tensor, so it
-holds exactly the weights the root decodes with (patches applied, same dtype). Only what
-decoding runs is copied: the decoder, the post-quant conv and the VAE's own buffers; the
-encoder and the quant conv are shared with the original (never run on the copy, no memory).
-The copy keeps the original's class, so its windows run the model's own code.
+holds exactly the weights the root decodes with (patches applied, same dtype; comfy-kitchen
+QuantizedTensor weights stay quantized: their int8 data and scales are copied). Only what
+decoding runs is copied: the decoder, the post-quant conv and the VAE's own buffers; the encoder
+and the quant conv are shared with the original (never run on the copy, no memory). The copy
+keeps the original's class, so its windows run the model's own code.
+
+Under DynamicVRAM the weights are VBAR-managed (cast into the root's VBAR at op time): such
+modules are never copied here; the helper gets ComfyUI's own clone instead (`decode.core`).
 
 `replica_bytes(model)` says what a copy costs; `check_replicable(model)` says why a model
-cannot be copied faithfully (weights that ComfyUI patches on the fly while a layer runs, or a
-decode method replaced on the instance), in which case the decode stays on one GPU.
+cannot be copied faithfully, in which case the decode stays on one GPU.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from .core import tensor_bytes
+from .release import check_splittable
+
 SHARED_CHILDREN = ("encoder", "quant_conv")  # never run when decoding
-# model methods the window decode calls; an instance attribute of that name would not follow
-# the copy (it may be bound to the original), so such a model is not split
-DECODE_METHODS = ("_adaptive_decode", "tiled_decode", "_decode_tile_row", "_decode_pixels",
-                  "split_tiles", "blend", "_finalize_pixels")
 _ON_THE_FLY = ("weight_function", "bias_function")  # ComfyUI lowvram/patch hooks on a layer
+_VBAR = "_v"  # ComfyUI's DynamicVRAM allocation on a layer (ops.cast_bias_weight's VBAR branch)
 
 Copier = Callable[[torch.Tensor, torch.device], torch.Tensor]
 
@@ -38,17 +41,13 @@ def _decoding_modules(model: nn.Module) -> Iterator[nn.Module]:
 
 def check_replicable(model: nn.Module) -> str | None:
     """None when a faithful decoding copy can be made, else the reason it cannot."""
-    for name in DECODE_METHODS:
-        own = vars(model).get(name)
-        # ComfyUI restores an object patch by setting the bound class method back on the
-        # instance: that one is the model's own method, anything else is a replacement
-        restored = (getattr(own, "__self__", None) is model
-                    and getattr(own, "__func__", None) is getattr(type(model), name, None))
-        if own is not None and not restored:
-            return f"the VAE's {name} is replaced on this model by another patch"
-        if not callable(getattr(model, name, None)):
-            return f"the VAE has no {name} method (not the windowed H3 video VAE)"
+    reason = check_splittable(model)
+    if reason is not None:
+        return reason
     for module in _decoding_modules(model):
+        if hasattr(module, _VBAR):
+            return (f"weights of {type(module).__name__} are managed by DynamicVRAM (a VBAR): "
+                    f"the helper needs ComfyUI's own clone, not a copy")
         for attr in _ON_THE_FLY:
             if getattr(module, attr, None):
                 return (f"weights of {type(module).__name__} are patched while it runs "
@@ -57,17 +56,26 @@ def check_replicable(model: nn.Module) -> str | None:
 
 
 def replica_bytes(model: nn.Module) -> int:
-    """Bytes of the tensors a decoding copy holds."""
+    """Bytes of the tensors a decoding copy holds (INT8 weights at their int8 size + scales)."""
     total = 0
     for module in _decoding_modules(model):
         for tensor in (*module._parameters.values(), *module._buffers.values()):
             if tensor is not None:
-                total += tensor.numel() * tensor.element_size()
+                total += tensor_bytes(tensor)
     return total
 
 
 def default_copier(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.detach().to(device, copy=True)
+
+
+def drop_restored_methods(clone: nn.Module, original: nn.Module) -> None:
+    """Remove the class methods ComfyUI set back on the original's instance when it removed an
+    object patch: they are bound to the original, so on a copy they would run the original."""
+    for key, value in list(vars(clone).items()):
+        if getattr(value, "__self__", None) is original and \
+                getattr(value, "__func__", None) is getattr(type(original), key, None):
+            delattr(clone, key)
 
 
 def _clone_one(module: nn.Module, device: torch.device, move: Copier) -> nn.Module:
@@ -79,11 +87,15 @@ def _clone_one(module: nn.Module, device: torch.device, move: Copier) -> nn.Modu
             setattr(clone, key, type(value)(value))
         elif isinstance(value, torch.Tensor):  # a plain tensor attribute
             setattr(clone, key, move(value, device))
+    # requires_grad as the original's: even under no_grad/inference mode ATen's matmul folds a
+    # batched linear differently for a weight that requires grad (measured: fp16 on the CPU,
+    # batched tiles of the newest VAE), so a flag changed on the copy changes the last bits
     clone._parameters = {
-        k: (None if p is None else nn.Parameter(move(p, device), requires_grad=False))
+        k: (None if p is None else nn.Parameter(move(p, device), requires_grad=p.requires_grad))
         for k, p in module._parameters.items()}
     clone._buffers = {k: (None if b is None else move(b, device))
                       for k, b in module._buffers.items()}
+    drop_restored_methods(clone, module)
     return clone
 
 

@@ -87,10 +87,11 @@ def window_workspace_bytes(width: int, height: int, element_bytes: int = 2) -> i
 
 
 def split_extra_bytes(width: int, height: int, element_bytes: int = 2) -> int:
-    """What the split decode adds per GPU: one float32 head waiting for its copy to the host
-    while the next window decodes, plus the two 5-frame boundary pieces (VAE dtype)."""
+    """What the split decode adds per GPU to the model's own window loop: the range's first
+    head, kept raw for the cross-fade across its cut, and its last 5-frame tail (VAE dtype).
+    (The cross-fades run after the windows, on the root: they add nothing to the peak.)"""
     pixels = width * height
-    return pixels * 3 * (HEAD_FRAMES * 4 + 2 * BLEND_FRAMES * element_bytes)
+    return pixels * 3 * (HEAD_FRAMES + BLEND_FRAMES) * element_bytes
 
 
 LATENT_COPIES = 5  # the input, its cast to the VAE dtype, the de-normalised copy, temporaries

@@ -10,14 +10,17 @@ after another, with nothing carried from one window to the next. For the release
 
 So an output frame depends on one window, or on two neighbouring windows for the 5 frames after
 each window boundary. Cutting the window list into contiguous ranges (one per GPU) cuts the
-latent at multiples of 5 frames; each GPU decodes its windows with the model's own code, and
-the only thing two GPUs must exchange is one 5-frame piece per cut: the tail of the last window
-of one range, or the first 5 head frames of the next range. Handing that piece over (tens of
-MB) is always far cheaper than decoding the neighbouring window a second time (see
+latent at multiples of 5 frames; each GPU runs the model's own window loop on its range, and
+the only thing two GPUs must exchange is one 5-frame piece per cut (the tail of the last window
+of one range) and the raw head it fades into. Handing that over (tens of MB) is always far
+cheaper than decoding the neighbouring window a second time (see
 `decode.sizing.handover_seconds`).
 
-Names follow upstream `MiniMaxH3VideoVAE` (in brackets where they differ); `from_model` reads
-them so a VAE with other window sizes is followed, not assumed.
+This layout is the planner's model of the windows (counts, frames, sizes). The split itself
+reads only the latent stride and window length from the model (`from_model`) and takes the
+window count, padding and output positions from the model's own `_decode_temporal_chunks` and
+`decode_output_shape` (`decode.executor`). Names follow upstream `MiniMaxH3VideoVAE` (in
+brackets where they differ), so a VAE with other window sizes is followed, not assumed.
 """
 
 from __future__ import annotations

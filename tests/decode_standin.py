@@ -7,10 +7,13 @@ dropped, a tail of 5 after 3 more dropped), tails cross-faded linearly into the 
 preallocated output. Its `decode_temporal` is the plain one-device loop the split decode must
 reproduce bit for bit; the real upstream class is tested in test_decode_comfyui.py.
 
-`calls` (shared by a model and its decoding copies) lists which module decoded each window.
+`calls` (shared by a model and its decoding copies) lists which decoder module (by id) decoded
+each window: the root's model and any view of it share one decoder, each copy has its own.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -59,7 +62,8 @@ class StandInVideoVAE(nn.Module):
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         self.to(dtype)
-        self.calls: list[int] = []  # id of the module that decoded each window
+        self.calls: list[int] = []  # id of the decoder that decoded each window
+        self.call_threads: list[str] = []  # the thread each window was decoded on
         self.fail_copies_after: int | None = None  # a copy raises after this many windows
         self._origin = [self]
 
@@ -106,11 +110,12 @@ class StandInVideoVAE(nn.Module):
 
     def _adaptive_decode(self, z: torch.Tensor) -> torch.Tensor:
         origin = self._origin[0]
-        if self is not origin and self.fail_copies_after is not None:
-            mine = sum(1 for c in self.calls if c == id(self))
-            if mine >= self.fail_copies_after:
+        mine = id(self.decoder)
+        if mine != id(origin.decoder) and self.fail_copies_after is not None:
+            if sum(1 for c in self.calls if c == mine) >= self.fail_copies_after:
                 raise RuntimeError("simulated helper failure")
-        self.calls.append(id(self))
+        self.calls.append(mine)
+        self.call_threads.append(threading.current_thread().name)
         return self.tiled_decode(z)
 
     def _finalize_pixels(self, part: torch.Tensor) -> torch.Tensor:
@@ -119,7 +124,8 @@ class StandInVideoVAE(nn.Module):
 
     # --- the one-device decode ---------------------------------------------------------------
 
-    def _windows(self, latent: int) -> tuple[int, int]:
+    def _decode_temporal_chunks(self, latent: int) -> tuple[int, int]:
+        """(latent frames of padding, windows), as the upstream VAE names it."""
         total = latent + self.token_drop
         pad = (-total) % self.tokens_chunk_size
         count = (total + pad) // self.tokens_chunk_size - 1
@@ -129,7 +135,7 @@ class StandInVideoVAE(nn.Module):
 
     def decode_output_shape(self, shape) -> tuple[int, ...]:
         b, _, t, h, w = shape
-        pad, count = self._windows(t)
+        pad, count = self._decode_temporal_chunks(t)
         frames = count * 17 + 5 - 4 * pad  # padding latents do not make frames
         return (b, 3, frames, h * self.vae_ratio, w * self.vae_ratio)
 
@@ -139,7 +145,7 @@ class StandInVideoVAE(nn.Module):
         the last tail at the end, each part finalised and written at the next position."""
         out = output_buffer if output_buffer is not None else torch.empty(
             self.decode_output_shape(z.shape), dtype=torch.float32)
-        pad, count = self._windows(z.shape[2])
+        pad, count = self._decode_temporal_chunks(z.shape[2])
         if pad:
             z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad, 1, 1)], dim=2)
         pos, pending = 0, None

@@ -9,6 +9,7 @@ own one-device loop (`decode_temporal`); the real upstream class is in test_deco
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from h3_multigpu.decode.apply import (
     find_patch,
 )
 from h3_multigpu.decode.executor import DecodeReport, DeviceShare, SplitDecode
+from h3_multigpu.decode.release import check_splittable
 from h3_multigpu.decode.replica import check_replicable, make_replica
 
 CPU = torch.device("cpu")
@@ -65,7 +67,7 @@ def test_layout_reads_the_model_and_refuses_other_modules():
 
 @pytest.mark.parametrize("t", [2, 3, 8, 10, 11, 12, 13])
 def test_layout_pads_like_the_model(t):
-    assert WindowLayout().windows(t) == StandInVideoVAE()._windows(t)
+    assert WindowLayout().windows(t) == StandInVideoVAE()._decode_temporal_chunks(t)
 
 
 def test_assign_windows_balances_equal_and_weighted_devices():
@@ -113,7 +115,7 @@ def test_split_decode_is_bit_identical_to_one_call(t, ranges):
     for c in model.calls:
         per_module[c] = per_module.get(c, 0) + 1
     assert sorted(per_module.values()) == sorted(b - a for a, b in ranges)
-    assert per_module[id(model)] == ranges[0][1] - ranges[0][0]
+    assert per_module[id(model.decoder)] == ranges[0][1] - ranges[0][0]
     assert report.handovers == len(ranges) - 1  # one 5-frame piece per cut
     assert report.same_tile_batches and len(report.tile_batches) == ranges[-1][1]
 
@@ -146,6 +148,17 @@ def test_shares_must_cover_the_windows_in_order():
 
 
 # --- progress, interrupt, failure ------------------------------------------------------------
+
+def test_the_roots_windows_run_on_the_calling_thread_and_each_helper_on_its_own():
+    """As ComfyUI's multi-GPU thread pool runs devices: the main one on the caller's thread."""
+    model = StandInVideoVAE()
+    _split(model, _latent(37), [(0, 3), (3, 5), (5, 7)])
+    root = id(model.decoder)
+    here = threading.current_thread().name
+    assert {t for c, t in zip(model.calls, model.call_threads, strict=True) if c == root} == {here}
+    helpers = {t for c, t in zip(model.calls, model.call_threads, strict=True) if c != root}
+    assert len(helpers) == 2 and here not in helpers
+
 
 def test_progress_counts_each_window_once():
     model = StandInVideoVAE()
@@ -187,7 +200,7 @@ def test_failing_helper_falls_back_to_the_root_with_one_warning(after, caplog):
     assert len(report.failed) == 1  # both helpers are the CPU here: one device name
     assert len(steps) == 7  # each window counted once
     # the helpers' windows were decoded (again) by the root's own module
-    assert sum(1 for c in model.calls if c == id(model)) >= 3 + 4
+    assert sum(1 for c in model.calls if c == id(model.decoder)) >= 3 + 4
 
 
 # --- the decoding copy ---------------------------------------------------------------------------
@@ -199,6 +212,9 @@ def test_replica_copies_the_decoder_and_shares_the_encoder():
     for (name, p), (_, q) in zip(model.decoder.named_parameters(),
                                  copy.decoder.named_parameters(), strict=True):
         assert torch.equal(p, q) and p.dtype == q.dtype and p.data_ptr() != q.data_ptr(), name
+        # as the original's (ComfyUI's VAE parameters require grad): ATen folds a batched
+        # linear differently when the weight requires grad, even under inference mode
+        assert q.requires_grad == p.requires_grad, name
     handle = copy.decoder.register_forward_pre_hook(lambda m, a: None)
     assert not model.decoder._forward_pre_hooks  # hook dicts are the copy's own
     handle.remove()
@@ -213,6 +229,86 @@ def test_replica_refuses_on_the_fly_weight_patches_and_instance_overrides():
     assert "replaced on this model" in check_replicable(model)
     model._decode_pixels = model.__class__._decode_pixels.__get__(model)  # restored by ComfyUI
     assert check_replicable(model) is None
+
+
+def test_replica_refuses_dynamic_vram_managed_weights():
+    model = StandInVideoVAE()
+    model.decoder.qkv._v = object()  # what ComfyUI's DynamicVRAM load sets on a layer
+    assert "managed by DynamicVRAM" in check_replicable(model)
+
+
+def test_a_restored_method_on_the_model_does_not_make_a_helper_decode_with_the_roots():
+    """ComfyUI leaves the class method bound to the model on the instance when it removes an
+    object patch: a copy (or a view) must run its own modules, not the original's."""
+    model = StandInVideoVAE()
+    for name in ("tiled_decode", "_adaptive_decode", "_decode_pixels", "_finalize_pixels"):
+        setattr(model, name, getattr(type(model), name).__get__(model))  # as ComfyUI restores
+    assert check_replicable(model) is None
+    assert "tiled_decode" not in vars(make_replica(model, CPU))
+    z = _latent(17)
+    expected = _reference(model, z)
+    model.calls.clear()
+    out, _ = _split(model, z, [(0, 1), (1, 3)])
+    assert torch.equal(out, expected)
+    assert len(set(model.calls)) == 2  # the helper's windows ran on the helper's decoder
+    assert {"tiled_decode", "_adaptive_decode"} <= set(vars(model))  # the model is as it was
+
+
+def test_split_needs_the_window_loop_and_names_the_missing_method():
+    class NoChunks(StandInVideoVAE):
+        _decode_temporal_chunks = None
+
+    reason = check_splittable(NoChunks())
+    assert reason.startswith("the VAE has no _decode_temporal_chunks method") and "0.33.0" in reason
+
+
+class _ClippedLoop(StandInVideoVAE):
+    """A window loop that skips finalising what falls past its output (the split cannot see
+    the tail it needs for the cut): the decode must notice and run on the root instead."""
+
+    def decode_temporal(self, z, output_buffer=None):
+        out = output_buffer
+        pad, count = self._decode_temporal_chunks(z.shape[2])
+        if pad:
+            z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad, 1, 1)], dim=2)
+        pos, pending = 0, None
+        for i in range(count):
+            frames = self._adaptive_decode(z[:, :, 5 * i:5 * i + 7])
+            head, tail = frames[:, :, 3:20], frames[:, :, 23:28]
+            if pending is not None:
+                head = self.blend(pending, head, self.frame_overlap, dim=-3)
+            pending = tail
+            for part in [head, tail] if i == count - 1 else [head]:
+                n = min(part.shape[2], out.shape[2] - pos)
+                if n > 0 and pos < out.shape[2] - 5:  # a tail at the end is "clipped"
+                    out[:, :, pos:pos + n].copy_(self._finalize_pixels(part)[:, :, :n])
+                elif n > 0:
+                    out[:, :, pos:pos + n].copy_(part[:, :, :n].float().clamp(0, 1))
+                pos += part.shape[2]
+        return out
+
+
+def test_a_window_loop_the_split_does_not_follow_decodes_on_the_root(caplog):
+    model = _ClippedLoop()
+    vae = FakeVAE(model)
+    z = _latent(17)
+    with torch.no_grad():
+        expected = vae.decode(z)
+    patched, _ = apply_multi_gpu_decode(vae, MultiGPUDecodeConfig(helpers=("cpu",)))
+    with caplog.at_level(logging.WARNING, logger="h3_multigpu"), torch.no_grad():
+        out = patched.decode(z)
+    assert torch.equal(out, expected)
+    patch = find_patch(patched)
+    assert patch.split_calls == 0
+    assert patch.last_line.startswith("one GPU: NOT ACTIVE for this VAE: the window loop wrote 5 "
+                                      "frames past the cut at window 2")
+    assert any("decoding on cpu alone" in r.getMessage() for r in caplog.records)
+
+
+def test_config_names_the_helper_copy_choices():
+    assert MultiGPUDecodeConfig(helper_copy=" Comfy ").helper_copy == "comfy"
+    with pytest.raises(ValueError, match="helper_copy='clone': use 'auto', 'comfy'"):
+        MultiGPUDecodeConfig(helper_copy="clone")
 
 
 # --- the ComfyUI seam (object patch on decode_temporal) ------------------------------------------

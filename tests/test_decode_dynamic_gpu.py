@@ -1,0 +1,165 @@
+"""The split video decode under DynamicVRAM (ModelPatcherDynamic, comfy-aimdo) on real GPUs.
+
+Under DynamicVRAM the VAE's weights stay on the host and each layer is cast into the patcher's
+VBAR at op time, so a helper's decoder must be ComfyUI's own multi-GPU clone
+(`deepclone_multigpu`, loaded by ComfyUI on the helper), never a module-by-module copy. The VAE
+is the full-size fp16 file, loaded by ComfyUI's own Load VAE node (which registers the reload
+factory the clone needs); the reference is ComfyUI's unpatched `VAE.decode`.
+
+On one GPU the helper is a second clone on the same GPU (proves the plumbing: the clone, its
+load by ComfyUI, its own VBAR, the cut and the cross-fade); on two GPUs the patch is applied as
+a user applies it. DynamicVRAM must be switched on before `comfy.model_management` is imported,
+as ComfyUI's main.py does, so run this file in a pytest process of its own:
+
+    COMFYUI_PATH=/path/to/ComfyUI python -m pytest -q -m "gpu or multi_gpu" \
+        -o addopts="--strict-markers" -p no:cacheprovider -rfs tests/test_decode_dynamic_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from h3_multigpu.decode import core
+from h3_multigpu.decode.apply import (
+    Helper,
+    MultiGPUDecode,
+    MultiGPUDecodeConfig,
+    apply_multi_gpu_decode,
+    find_patch,
+    install,
+)
+from h3_multigpu.decode.replica import check_replicable
+
+pytestmark = pytest.mark.comfyui
+
+VAE_NAME = "minimax_h3_video_vae_fp16.safetensors"
+
+
+def _enable_dynamic_vram():
+    """What ComfyUI 0.33.0's main.py does at start (lines 58-70 and 262-290): comfy-aimdo's
+    init before model management is imported, then init_devices, then ModelPatcherDynamic as
+    the core patcher and `memory_management.aimdo_enabled`."""
+    import comfy_aimdo.control
+
+    try:
+        comfy_aimdo.control.init(simple_vram_headroom=None, nvml_pressure=True)
+    except TypeError:  # older comfy-aimdo protocols, as main.py tries them
+        try:
+            comfy_aimdo.control.init(simple_vram_headroom=None)
+        except TypeError:
+            comfy_aimdo.control.init()
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    devices = mm.get_all_torch_devices()
+    try:
+        ready = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
+    except TypeError:
+        ready = comfy_aimdo.control.init_devices(d.index for d in devices)
+    if not ready:
+        pytest.fail("comfy-aimdo found no device it can manage: DynamicVRAM is off here")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+
+
+@pytest.fixture(scope="module")
+def dynamic(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("DynamicVRAM needs a CUDA GPU")
+    if "comfy.model_management" in sys.modules:
+        pytest.skip("run this file in its own pytest process: DynamicVRAM must be switched on "
+                    "before comfy.model_management is imported")
+    sys.path.insert(0, os.environ["COMFYUI_PATH"])
+    _enable_dynamic_vram()
+    import folder_paths
+    from h3_checkpoints import write_video_vae
+
+    import nodes  # ComfyUI's own nodes.py (its Load VAE node), not this pack's
+
+    folder = tmp_path_factory.mktemp("vae")
+    write_video_vae(folder / VAE_NAME, "fp16", device="cuda")  # the full-size file, 5 GB
+    folder_paths.add_model_folder_path("vae", str(folder))
+    (vae,) = nodes.VAELoader().load_vae(VAE_NAME)  # ComfyUI's own Load VAE node
+    assert core.is_dynamic(vae.patcher), type(vae.patcher).__name__
+    return vae
+
+
+def _needs_factory(vae) -> None:
+    if vae.patcher.cached_patcher_init is None:  # 0.3.64's nodes.py (the newest-files bed)
+        pytest.skip("this ComfyUI's Load VAE registers no reload factory (cached_patcher_init); "
+                    "test_dynamic_vram_without_a_reload_factory_says_why covers it")
+
+
+def _latent(t: int) -> torch.Tensor:
+    # 8 x 10 latent cells = 128 x 160 px: one 256 px tile per window
+    return torch.randn(1, 24, t, 8, 10, generator=torch.Generator().manual_seed(t))
+
+
+@pytest.mark.gpu
+def test_dynamic_vram_helper_is_comfys_clone_and_the_decode_is_bit_identical(dynamic):
+    vae, gpu = dynamic, torch.device("cuda", 0)
+    _needs_factory(vae)
+    z = _latent(22)  # 4 windows
+    with torch.inference_mode():
+        expected = vae.decode(z)
+    root = vae.first_stage_model
+    assert check_replicable(root) is not None  # loaded under DynamicVRAM: never copied
+    helper = Helper(gpu, core.multi_gpu_clone(vae.patcher, gpu))
+    assert core.is_dynamic(helper.patcher) and helper.patcher.model is not root
+    patch = MultiGPUDecode(root, MultiGPUDecodeConfig(helpers=("cuda:0",)), [helper],
+                           vae.memory_used_decode)
+    patched = install(vae, patch)
+    with torch.inference_mode():
+        out = patched.decode(z)
+    assert out.isfinite().all() and torch.equal(out, expected)
+    report = patch.last_report
+    assert patch.split_calls == 1 and report.devices == ["cuda:0", "cuda:0"]
+    assert report.copy_seconds == {} and report.handovers == 1 and report.same_tile_batches
+    # the helper decoded with ComfyUI's clone: its own VBAR, weights still on the host
+    linear = helper.patcher.model.decoder.transformer_blocks[0].attn.to_qkv
+    assert hasattr(linear, "_v") and linear.weight.device.type == "cpu"
+    assert linear is not root.decoder.transformer_blocks[0].attn.to_qkv
+
+
+@pytest.mark.gpu
+def test_dynamic_vram_refuses_a_copy_of_vbar_managed_weights(dynamic):
+    config = MultiGPUDecodeConfig(helpers=(), helper_copy="copy")
+    same, line = apply_multi_gpu_decode(dynamic, config)
+    assert same is dynamic
+    assert line.startswith("NOT ACTIVE: helper_copy='copy' under DynamicVRAM"), line
+
+
+@pytest.mark.gpu
+def test_dynamic_vram_without_a_reload_factory_says_why(dynamic):
+    """The core path the helper needs, refused in words (apply_multi_gpu_decode puts them in
+    its NOT ACTIVE line: tests/test_decode_comfyui.py checks that line on the CPU)."""
+    factory = dynamic.patcher.cached_patcher_init
+    dynamic.patcher.cached_patcher_init = None
+    try:
+        with pytest.raises(core.CoreMissing, match="registered no reload factory"):
+            core.multi_gpu_clone(dynamic.patcher, torch.device("cuda", 0))
+    finally:
+        dynamic.patcher.cached_patcher_init = factory
+
+
+@pytest.mark.multi_gpu
+def test_dynamic_vram_split_on_gpus_is_bit_identical(dynamic):
+    assert torch.cuda.device_count() >= 2
+    _needs_factory(dynamic)
+    z = _latent(37)  # 7 windows
+    with torch.inference_mode():
+        expected = dynamic.decode(z)
+    patched, line = apply_multi_gpu_decode(dynamic, MultiGPUDecodeConfig())
+    assert "helper decoder: ComfyUI's multi-GPU clone (deepclone_multigpu), loaded on the " \
+           "helper by ComfyUI under DynamicVRAM" in line, line
+    with torch.inference_mode():
+        out = patched.decode(z)
+    patch = find_patch(patched)
+    assert torch.equal(out, expected), patch.last_line
+    assert patch.split_calls == 1 and any(d.startswith("cuda:1") for d in
+                                          patch.last_report.devices)
