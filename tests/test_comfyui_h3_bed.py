@@ -16,6 +16,7 @@ from comfyui_h3 import (
     make_inputs,
     make_lora_state_dict,
     make_tiny_h3,
+    preferred_attention_missing,
     run_like_sampler,
     set_preferred_attention,
     with_lora,
@@ -85,8 +86,7 @@ def test_lowvram_lora_matches_full_load_lora():
     assert not torch.equal(base[0], full[0])
 
 
-def test_attention_counter_sees_overrides_and_preferred_attention():
-    comfy = import_comfyui_or_skip()
+def test_attention_counter_sees_overrides():
     config = CONFIGS[0]
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config)
@@ -107,6 +107,46 @@ def test_attention_counter_sees_overrides_and_preferred_attention():
     assert calls.default == config.refiner_blocks + config.blocks
     assert _same(out, base)
 
+
+def test_the_startup_flags_kernel_is_what_h3_calls():
+    """Every release: H3 calls the `optimized_attention` ComfyUI picked at startup (a flag's
+    kernel here: basic attention, whose bits differ from the CPU default, sub-quadratic), and
+    an override is handed that kernel as `func`. Only a release with per-module preferred
+    attention passes `preferred_attention=` (0.33.0 does not)."""
+    comfy = import_comfyui_or_skip()
+    config = CONFIGS[0]
+    patcher = make_tiny_h3(config, seed=0)
+    inputs = make_inputs(config)
+    default = run_like_sampler(patcher, inputs)
+    basic = comfy.ldm.modules.attention.attention_basic
+    seen = []
+
+    def override(func, *args, **kwargs):
+        seen.append(func)
+        return func(*args, **kwargs)
+
+    overridden = patcher.clone()
+    overridden.model_options.setdefault("transformer_options", {})[
+        "optimized_attention_override"] = override
+    with AttentionCounter(kernel=basic) as calls:
+        flagged = run_like_sampler(patcher, inputs)
+        through_override = run_like_sampler(overridden, inputs)
+    assert not _same(flagged, default) and _same(through_override, flagged)
+    assert calls.default == 2 * (config.refiner_blocks + config.blocks)
+    # the kernel itself (behind the counter's count)
+    assert len(seen) == config.blocks and all(f.__wrapped__ is basic.__wrapped__ for f in seen)
+    passes_preferred = {"preferred_attention" in kw for kw in calls.keywords}
+    assert passes_preferred == {preferred_attention_missing(patcher) is None}
+
+
+def test_attention_counter_sees_preferred_attention():
+    comfy = import_comfyui_or_skip()
+    config = CONFIGS[0]
+    patcher = make_tiny_h3(config, seed=0)
+    missing = preferred_attention_missing(patcher)
+    if missing:
+        pytest.skip(missing)
+    inputs = make_inputs(config)
     sub_quad = comfy.ldm.modules.attention.attention_sub_quad
     with AttentionCounter() as calls:
         set_preferred_attention(patcher, calls.count_preferred(sub_quad))
