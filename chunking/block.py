@@ -420,7 +420,8 @@ def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtyp
         if formats is None else formats
     gpu = name != exact_rows.CPU
     found = {phase: exact_rows.phase_rule(table, shapes, ranks, names,
-                                          where=f"{name} {dtype_name}", gpu=gpu, formats=formats)
+                                          where=f"{name} {dtype_name}", gpu=gpu, formats=formats,
+                                          nvidia=is_nvidia(device))
              for phase, names in exact_rows.PHASE_LINEARS.items()}
     plain = all(exact_rows.format_rule(formats.get(key, dtype_name))[0] == exact_rows.TABLE
                 for key in linears)
@@ -429,6 +430,11 @@ def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtyp
         f"{sizing.EXACT_MIN_ROWS:,} rows are taken as exact, as measured on other GPUs; "
         "bench/sweep_chunk_exactness.py measures this one")
     return sizing.RowFloors.of_rules(found["qkv"], found["ffn"], assumed=assumed)
+
+
+def is_nvidia(device: torch.device) -> bool:
+    """A CUDA device of an NVIDIA GPU (not ROCm's HIP under the same name)."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 def linear_shape(linear: torch.nn.Module) -> tuple[int, int]:

@@ -31,9 +31,12 @@ may differ (`chunking.block`); a sequence share without one makes the mode fall 
 All of the above is for plain weights. The floors are per weight format (`h3_ops.weight_format`
 reads it off each linear's weight; `FORMAT_RULES` here):
 - INT8 ConvRot (`TensorWiseINT8Layout` with convrot) quantizes activations per row and
-  accumulates in int32: any row slice is bit-identical, so neither the table nor the 4,096-row
-  rule applies to its GEMM (base 1 row); an on-activation adapter's own GEMMs are plain ones and
-  keep the plain rules.
+  accumulates in int32: on NVIDIA GPUs (comfy-kitchen's CUDA `int8_linear`) any row slice is
+  bit-identical, so neither the table nor the 4,096-row rule applies to its GEMM there (base 1
+  row); an on-activation adapter's own GEMMs are plain ones and keep the plain rules. On the CPU
+  (comfy-kitchen's eager kernel) it keeps the CPU rule: measured bit-identical at 1-4,096 rows
+  with bf16 activations, but with fp32 ones (what ComfyUI computes on a CPU) slices of 1-3 rows
+  differ single-threaded and of up to 11 rows with 2 threads. Other GPUs (ROCm): not measured.
 - FP8 (static input scale, fp32-accumulating `_scaled_mm`) and INT8 without ConvRot: nothing
   measured, so no floor is known (kept whole while it fits, as an unmeasured adapter is).
 - NVFP4 without `input_scale` scales the activations over the whole tensor: a row slice changes
@@ -58,9 +61,9 @@ ANY, TABLE, UNKNOWN, NEVER = "any", "table", "unknown", "never"
 # weight format -> (what row slices of its GEMM do, why)
 FORMAT_RULES: dict[str, tuple[str, str]] = {
     INT8_CONVROT: (ANY, "INT8 ConvRot quantizes activations per row and accumulates in int32: "
-                        "row slices are bit-identical at any row count (measured: comfy-kitchen's"
-                        " CUDA int8_linear on H200, 1-8,192 rows, fused SwiGLU fc2 too; its CPU "
-                        "kernel 1-4,096 rows)"),
+                        "row slices are bit-identical at any row count on NVIDIA GPUs (measured: "
+                        "comfy-kitchen's CUDA int8_linear on H200, 1-8,192 rows, fused SwiGLU "
+                        "fc2 too)"),
     "int8": (UNKNOWN, "INT8 weights without ConvRot: no row floor measured"),
     "fp8": (UNKNOWN, "FP8 weights (static input scale, fp32-accumulating _scaled_mm): no row "
                      "floor measured"),
@@ -179,10 +182,16 @@ class PhaseRule:
 
 
 def linear_rule(table: GemmTable | None, name: str, k: int, n: int, ranks: tuple[int, ...],
-                *, where: str, gpu: bool = True, weight_format: str = "bfloat16") -> PhaseRule:
+                *, where: str, gpu: bool = True, weight_format: str = "bfloat16",
+                nvidia: bool = True) -> PhaseRule:
     """What row slices of `name` (K->N, weight in `weight_format`, with on-activation adapters
-    of `ranks`, whose GEMMs run in the compute dtype `table` is of) need to stay exact."""
+    of `ranks`, whose GEMMs run in the compute dtype `table` is of) need to stay exact.
+    nvidia: a GPU is an NVIDIA one (where INT8 ConvRot's any-rows rule was measured)."""
     kind, why = format_rule(weight_format)
+    if kind == ANY and not gpu:
+        kind = TABLE  # the CPU's eager INT8 kernel keeps the CPU rule (see above)
+    elif kind == ANY and not nvidia:
+        kind, why = UNKNOWN, f"{weight_format} row slices are measured on NVIDIA GPUs only"
     if kind in (NEVER, UNKNOWN):
         return PhaseRule(None, f"{name}: {why}", never=kind == NEVER)
     floor, reason = linear_floor(table, name, k, n, ranks, where=where, gpu=gpu,
@@ -194,12 +203,13 @@ def linear_rule(table: GemmTable | None, name: str, k: int, n: int, ranks: tuple
 
 def phase_rule(table: GemmTable | None, shapes: Mapping[str, tuple[int, int]],
                ranks: Mapping[str, tuple[int, ...]], linears: tuple[str, ...], *, where: str,
-               gpu: bool = True, formats: Mapping[str, str] | None = None) -> PhaseRule:
+               gpu: bool = True, formats: Mapping[str, str] | None = None,
+               nvidia: bool = True) -> PhaseRule:
     """`PhaseRule.combine` of `linears` (their weight `formats`, default plain)."""
     formats = formats or {}
     return PhaseRule.combine([
         linear_rule(table, name, *shapes[name], tuple(ranks.get(name, ())), where=where,
-                    gpu=gpu, weight_format=formats.get(name, "bfloat16"))
+                    gpu=gpu, weight_format=formats.get(name, "bfloat16"), nvidia=nvidia)
         for name in linears])
 
 

@@ -301,9 +301,13 @@ class RecordAttentionModule:
     that passes its own `attention` module in `args` is honoured (upstream's DiTBlock takes one).
     """
 
+    # it never reads the residual stream: the sequence mode may keep its rows split across it
+    h3_multigpu_transparent = True
+
     def __init__(self, attention_module: Any, previous: Any = None):
         self.attention_module = attention_module
         self.previous = previous
+        self.h3_multigpu_previous = previous  # the chain the sequence mode walks
 
     def __deepcopy__(self, memo) -> RecordAttentionModule:
         return self  # holds the model's own module: never copied with model_options

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..chunking import exact_rows
-from ..chunking.block import device_name, linear_shape
+from ..chunking.block import device_name, is_nvidia, linear_shape
 from ..chunking.h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
@@ -279,7 +279,8 @@ class SequenceParallel:
                 rule = exact_rows.PhaseRule.combine([
                     exact_rows.linear_rule(table, linear, *shapes[linear], dict(ranks)[linear],
                                            where=f"{name} {dtype_name}",
-                                           gpu=device.type != "cpu", weight_format=fmt)
+                                           gpu=device.type != "cpu", weight_format=fmt,
+                                           nvidia=is_nvidia(device))
                     for linear, fmts in formats for fmt in fmts])
                 if rule.floor is None:
                     floor, why = None, rule.why
@@ -575,12 +576,14 @@ class SequenceParallel:
 
     def _exact_words(self) -> str:
         """What the status claims about exactness, for the blocks' weight formats."""
-        rules = {exact_rows.format_rule(f) for _, fs in self.weight_formats() for f in fs}
-        kinds = {kind for kind, _ in rules}
-        if kinds & {exact_rows.NEVER, exact_rows.UNKNOWN}:
-            why = next(w for k, w in rules if k in (exact_rows.NEVER, exact_rows.UNKNOWN))
-            return f"exact only where known: {why}, so steps run another way"
-        if kinds == {exact_rows.ANY}:
+        rule = exact_rows.PhaseRule.combine([
+            exact_rows.linear_rule(None, name, 1, 1, (), where="", gpu=device.type != "cpu",
+                                   weight_format=fmt, nvidia=is_nvidia(device))
+            for device in dict.fromkeys(self.devices) for name, fmts in self.weight_formats()
+            for fmt in fmts])
+        if rule.floor is None:
+            return f"exact only where known: {rule.why}, so steps run another way"
+        if rule.base == 1:
             rows = "row shares of any size (INT8 ConvRot weights)"
         else:
             rows = f"row shares >= {self.split.exact_min_rows:,}"
