@@ -38,6 +38,15 @@ from h3_multigpu.chunking.h3_ops import H3Ops, activation_adapters, weight_forma
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
 
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """Two threads, as ComfyUI runs on a CPU (the row and head rules are measured with them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def comfy_h3():
     # skips with the reason when ComfyUI cannot be imported here at all (missing requirements,
@@ -249,8 +258,7 @@ def test_int8_convrot_chunked_equals_unpatched(case, lora_sd, monkeypatch):
     `linear_input_act` never calls fc2.forward: not unpatched, not chunked, and the status says
     so). On the CPU ComfyUI computes in fp32 and the eager INT8 kernel keeps the CPU row rule
     (`exact_rows`), scaled here to the measured 16 rows; the NVIDIA any-rows rule is the `gpu`
-    test's (test_chunking_comfyui_gpu)."""
-    torch.set_num_threads(2)
+    test's (test_chunking_int8_gpu)."""
     monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", CPU_MIN_ROWS)
     patcher = make_tiny_h3(INT8, seed=0)
     block = patcher.model.diffusion_model.blocks[0]

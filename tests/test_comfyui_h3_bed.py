@@ -25,13 +25,20 @@ from comfyui_h3 import (
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
 CONFIGS = [TinyH3Config(adaln="curve"), TinyH3Config(adaln="full")]
+# the official DiT format: INT8 ConvRot block linears, bf16 elsewhere (ComfyUI's loader)
+INT8 = TinyH3Config(adaln="curve", weights="int8_convrot", dtype=torch.bfloat16)
+ALL = CONFIGS + [INT8]
+
+
+def _id(config: TinyH3Config) -> str:
+    return config.adaln if config.weights == "float" else config.weights
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.adaln)
+@pytest.mark.parametrize("config", ALL, ids=_id)
 @pytest.mark.parametrize("conditioned", [False, True], ids=["plain", "keyframe+audio_mask"])
 def test_unpatched_runs_are_bit_identical(config, conditioned):
     patcher = make_tiny_h3(config, seed=0)
@@ -56,7 +63,7 @@ def test_conditioning_reaches_the_model(config):
     assert not torch.equal(plain[1], masked[1])  # kept audio frames run at their own timestep
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.adaln)
+@pytest.mark.parametrize("config", ALL, ids=_id)
 def test_lora_on_off_on_cycles_bit_for_bit(config):
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config, keyframe=True, audio_mask=True)
