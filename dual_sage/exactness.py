@@ -15,8 +15,8 @@ sub-quadratic (its CPU default), SDPA and basic attention give a subset of 2 or 
 whole call's bits, fp32 and bf16, with 1, 2 or 4 threads; a 1-head call differs once torch runs
 more than one thread (fp32 with all three, bf16 with SDPA; one matrix is then split over the
 threads: up to 1.4e-6 seen), so with more than one thread a CPU subset needs 2 heads
-(`docs/results/split_exactness_cpu.json`: 255 of 3,798 cases, every one a 1-head subset). Other devices (MPS, XPU, ...) are not
-measured: their calls stay whole.
+(`docs/results/split_exactness_cpu.json`: 255 of 3,798 cases, every one a 1-head subset).
+Other devices (MPS, XPU, ...) are not measured: their calls stay whole.
 
 Exact is claimed only for the functions measured (`MEASURED_FUNCTIONS`); the status line says
 "exact: yes (...)" there and "exact: no, <why>" elsewhere (`claim`).
