@@ -74,7 +74,8 @@ class SequenceParallelConfig:
     helper_weights: "auto" (a replica when it fits, else streamed), "replica" or "stream".
     chunk_heads: heads per attention call; None: 7 over peer copies, 4 through the host relay
         (`sizing.chunk_heads_for`), raised at short lengths (see `split.py`).
-    min_rows: smallest row share (None: 4096 on GPUs, the measured exact range).
+    min_rows: smallest row share (None: the measured exact range: 4096 rows on GPUs for plain
+        weights, none for INT8 ConvRot on NVIDIA GPUs, `chunking.exact_rows`).
     keep_weights: keep the helpers' weights between sampling runs (faster, holds helper memory).
     gpu_speeds / link_gbps: the time model's inputs (the planner passes the profile's).
     """
