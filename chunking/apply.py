@@ -9,7 +9,7 @@ import torch
 from ..guard.device import guard_diffusion_model
 from .block import ChunkedBlockForward, ChunkingReport, block_floors, block_linears
 from .config import ChunkingConfig
-from .h3_ops import activation_adapter_ranks
+from .h3_ops import block_adapter_ranks
 
 _BLOCK_PARTS = ("norm1", "norm2", "adaln_proj", "attn.qkv_proj", "attn.out_proj", "attn.q_norm",
                 "attn.k_norm", "mlp.fc1", "mlp.fc2")
@@ -88,8 +88,8 @@ def _apply_time_floors(patcher: Any, blocks: list[torch.nn.Module]):
     linears = block_linears(first)
     ranks: dict[str, tuple[int, ...]] = {name: () for name in linears}
     for block in blocks:
-        for name, module in block_linears(block).items():
-            ranks[name] = tuple(sorted({*ranks[name], *activation_adapter_ranks(module)}))
+        for name, found in block_adapter_ranks(block, block_linears(block)).items():
+            ranks[name] = tuple(sorted({*ranks[name], *found}))
     device = torch.device(getattr(patcher, "load_device", None) or "cpu")
     weight = getattr(first.attn.qkv_proj, "weight", None)
     dtype = weight.dtype if getattr(weight, "is_floating_point", lambda: False)() and \

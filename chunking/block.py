@@ -38,11 +38,12 @@ import torch
 from ..offload.comfy_memory import free_vram_bytes
 from . import exact_rows, sizing
 from .config import AUTO, ChunkingConfig
-from .h3_ops import H3Ops, activation_adapter_ranks
+from .h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
 
 log = logging.getLogger(__name__)
 Segments = list[tuple[int, int, Any]]
 Ranks = tuple[tuple[str, tuple[int, ...]], ...]  # (linear name, adapter ranks), in LINEARS order
+Formats = tuple[tuple[str, str], ...]  # (linear name, weight format), in LINEARS order
 _said: set[str] = set()
 
 
@@ -60,6 +61,7 @@ class RowPlan:
     inexact: tuple[str, ...] = ()
     kept: tuple[str, ...] = ()
     assumed: str = ""  # row chunks ran on a GPU whose floors are not measured (RowFloors)
+    notes: tuple[str, ...] = ()  # what the status says besides (an adapter upstream skips)
 
     @property
     def chunks(self) -> tuple[int, int, int]:
@@ -84,14 +86,17 @@ class ChunkingReport:
         self.apply_note = sizing.exactness_note(config.ffn_chunk, config.qkv_chunk,
                                                 config.head_group, floors)
         self.inexact: dict[str, None] = {}
-        self.kept: dict[str, None] = {}
+        self.kept: dict[str, None] = {f"{phase} kept whole ({floors.why(phase)})": None
+                                      for phase in ("ffn", "qkv")
+                                      if floors.never(phase) and getattr(config, f"{phase}_chunk")}
         self.assumed = ""
         self.ran = False
         self.sinks: list[dict] = []
 
     def line(self) -> str:
         if not self.ran:
-            return self.config.status(self.block_count, self.heads, note=self.apply_note)
+            return self.config.status(self.block_count, self.heads, note=self.apply_note,
+                                      kept=tuple(self.kept))
         note = sizing.note_of(tuple(self.inexact))
         if note == "exact" and self.assumed:
             note = f"exact as assumed ({self.assumed})"
@@ -100,7 +105,7 @@ class ChunkingReport:
 
     def record(self, plan: RowPlan) -> None:
         new = [r for r in plan.inexact if r not in self.inexact]
-        kept = [k for k in plan.kept if k not in self.kept]
+        kept = [k for k in (*plan.kept, *plan.notes) if k not in self.kept]
         assumed = plan.assumed and not self.assumed
         if self.ran and not new and not kept and not assumed:
             return
@@ -180,7 +185,8 @@ class ChunkedBlockForward:
         """What this forward runs: "auto" sized from free memory, every row chunk at or above
         its phase's floor for the adapters on the block now, on this GPU model."""
         ranks = self.adapter_ranks()  # bypass adapters are injected at load: look each time
-        floors = self.floors(x_SC.device, x_SC.dtype, ranks)
+        formats = self.weight_formats()  # a lowvram LoRA makes an INT8 GEMM a plain one
+        floors = self.floors(x_SC.device, x_SC.dtype, ranks, formats)
         fixed = {name: getattr(self.config, name) for name in ("ffn_chunk", "qkv_chunk",
                                                                 "head_group")}
         needs_free = AUTO in fixed.values() or any(
@@ -188,7 +194,8 @@ class ChunkedBlockForward:
             and not floors.known(phase) for phase in ("ffn", "qkv"))
         free = free_device_bytes(x_SC.device) if needs_free else None
         # one plan per 64 MiB of free memory
-        key = (x_SC.shape[0], ranks, x_SC.device, x_SC.dtype, None if free is None else free >> 26)
+        key = (x_SC.shape[0], ranks, formats, x_SC.device, x_SC.dtype,
+               None if free is None else free >> 26)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:
@@ -216,6 +223,9 @@ class ChunkedBlockForward:
         kept = []
         for phase in ("ffn", "qkv"):
             name = f"{phase}_chunk"
+            if values[name] and floors.never(phase):  # row slices change its result
+                values[name] = 0
+                kept.append(f"{phase} kept whole ({floors.why(phase)})")
             chunk = values[name]
             if (not chunk or floors.known(phase) or fixed[name] == AUTO
                     or chunk < sizing.EXACT_MIN_ROWS
@@ -233,23 +243,32 @@ class ChunkedBlockForward:
                    *sizing.head_reasons(values["head_group"], heads=heads, tokens=tokens)]
         splits = any(values[f"{p}_chunk"] and len(sizing.row_chunks(
             tokens, values[f"{p}_chunk"], floors.split_floor(p))) > 1 for p in ("ffn", "qkv"))
+        note = skipped_adapter_note(self.block, self.block.mlp.fc2)
         return RowPlan(values["ffn_chunk"], values["qkv_chunk"], values["head_group"],
                        floors.split_floor("ffn"), floors.split_floor("qkv"), tuple(inexact),
-                       tuple(kept), floors.assumed if splits else "")
+                       tuple(kept), floors.assumed if splits else "",
+                       (note,) if note else ())
 
     def linears(self) -> dict[str, torch.nn.Module]:
         return block_linears(self.block)
 
     def adapter_ranks(self) -> Ranks:
-        return tuple((name, activation_adapter_ranks(module))
-                     for name, module in self.linears().items())
+        """The on-activation adapters that run (`h3_ops.block_adapter_ranks`)."""
+        return tuple(block_adapter_ranks(self.block, self.linears()).items())
 
-    def floors(self, device: torch.device, dtype: torch.dtype, ranks: Ranks) -> sizing.RowFloors:
-        """Each phase's row floor for these adapters on this GPU model and dtype (`exact_rows`)."""
-        key = (device, dtype, ranks)
+    def weight_formats(self) -> Formats:
+        return tuple((name, weight_format(module)) for name, module in self.linears().items())
+
+    def floors(self, device: torch.device, dtype: torch.dtype, ranks: Ranks,
+               formats: Formats | None = None) -> sizing.RowFloors:
+        """Each phase's row floor for these adapters and weight formats on this GPU model and
+        compute dtype (`exact_rows`)."""
+        formats = self.weight_formats() if formats is None else formats
+        key = (device, dtype, ranks, formats)
         floors = self._floors.get(key)
         if floors is None:
-            floors = self._floors[key] = block_floors(self.linears(), device, dtype, dict(ranks))
+            floors = block_floors(self.linears(), device, dtype, dict(ranks), dict(formats))
+            self._floors[key] = floors
         return floors
 
     def dims(self, x_SC: torch.Tensor) -> sizing.BlockDims:
@@ -380,22 +399,33 @@ def block_linears(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtype: torch.dtype,
-                 ranks: dict[str, tuple[int, ...]]) -> sizing.RowFloors:
-    """Row floors of a block's two chunked phases, from its linears' shapes and adapter ranks."""
+                 ranks: dict[str, tuple[int, ...]],
+                 formats: dict[str, str] | None = None) -> sizing.RowFloors:
+    """Row floors of a block's two chunked phases, from its linears' shapes, weight formats
+    (default: read off the weights) and the ranks of the adapters that run on them."""
     name = device_name(device)
     dtype_name = str(dtype).removeprefix("torch.")
-    table = exact_rows.table_for(name, dtype_name)
+    table = exact_rows.table_for(name, dtype_name)  # of the compute dtype (plain GEMMs)
     shapes = {key: linear_shape(module) for key, module in linears.items()}
+    formats = {key: weight_format(module) for key, module in linears.items()} \
+        if formats is None else formats
     gpu = name != exact_rows.CPU
-    found = {phase: exact_rows.phase_floor(table, shapes, ranks, names,
-                                           where=f"{name} {dtype_name}", gpu=gpu)
+    found = {phase: exact_rows.phase_rule(table, shapes, ranks, names,
+                                          where=f"{name} {dtype_name}", gpu=gpu, formats=formats,
+                                          nvidia=is_nvidia(device))
              for phase, names in exact_rows.PHASE_LINEARS.items()}
-    assumed = "" if table is not None or not gpu else (
+    plain = all(exact_rows.format_rule(formats.get(key, dtype_name))[0] == exact_rows.TABLE
+                for key in linears)
+    assumed = "" if table is not None or not gpu or not plain else (
         f"{name} {dtype_name} is not in chunking/exact_rows.json: row chunks of >= "
         f"{sizing.EXACT_MIN_ROWS:,} rows are taken as exact, as measured on other GPUs; "
         "bench/sweep_chunk_exactness.py measures this one")
-    return sizing.RowFloors(found["qkv"][0], found["ffn"][0], found["qkv"][1], found["ffn"][1],
-                            assumed=assumed)
+    return sizing.RowFloors.of_rules(found["qkv"], found["ffn"], assumed=assumed)
+
+
+def is_nvidia(device: torch.device) -> bool:
+    """A CUDA device of an NVIDIA GPU (not ROCm's HIP under the same name)."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 def linear_shape(linear: torch.nn.Module) -> tuple[int, int]:

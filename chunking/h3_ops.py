@@ -76,11 +76,68 @@ class H3Ops:
         """Which SwiGLU implementation the block's MLP runs (for `sizing.Kernels.mlp`)."""
         if not self.is_comfyui:
             return "twin"
+        return "comfy_int8" if self.fused_int8_fc2(fc2) else "comfy"
+
+    def fused_int8_fc2(self, fc2: torch.nn.Module) -> bool:
+        """Whether the block's MLP computes fc2 without calling `fc2.forward`.
+
+        ComfyUI internal: H3's MLP is `comfy.ops.linear_input_act(fc2, fc1(x), "swiglu")`, which
+        for an INT8 weight (QuantizedTensor, `TensorWiseINT8Layout`, not transposed, not in
+        training) runs comfy-kitchen's fused `int8_linear` itself: an on-activation (bypass)
+        adapter wrapped around `fc2.forward` does not run there, unpatched or chunked. Checked
+        on ComfyUI 0.33.0 and the newest files."""
+        if not self.is_comfyui or self.in_training():
+            return False
+        if not hasattr(getattr(self.module.comfy, "ops", None), "linear_input_act"):
+            return False
         weight = getattr(fc2, "weight", None)
-        layout = getattr(weight, "_layout_cls", None)
-        if type(weight).__name__ == "QuantizedTensor" and layout == "TensorWiseINT8Layout":
-            return "comfy_int8"
-        return "comfy"
+        return (type(weight).__name__ == "QuantizedTensor"
+                and getattr(weight, "_layout_cls", None) == "TensorWiseINT8Layout"
+                and not getattr(getattr(weight, "_params", None), "transposed", False))
+
+
+def weight_format(linear: torch.nn.Module) -> str:
+    """The format `linear`'s GEMM runs in, from its weight (`exact_rows.FORMAT_RULES`):
+    "int8_convrot", "int8", "fp8", "nvfp4" (static input_scale), "nvfp4_dynamic" (none), another
+    quantized layout's name, or the plain dtype ("bfloat16", "float16", "float32").
+
+    ComfyUI internals: `comfy.quant_ops.QuantizedTensor` (`_layout_cls`, `_params.convrot`,
+    `_params.orig_dtype`), the module's `input_scale` and `weight_function` (checked on
+    ComfyUI 0.33.0 and the newest files). A lowvram LoRA (`weight_function`) makes ComfyUI's
+    cast dequantize the weight: the GEMM then runs in the original dtype, as a plain one.
+    """
+    weight = getattr(linear, "weight", None)
+    if type(weight).__name__ != "QuantizedTensor":
+        return str(getattr(weight, "dtype", "unknown")).removeprefix("torch.")
+    params = getattr(weight, "_params", None)
+    if getattr(linear, "weight_function", None):
+        return str(getattr(params, "orig_dtype", torch.bfloat16)).removeprefix("torch.")
+    layout = str(getattr(weight, "_layout_cls", ""))
+    if layout == "TensorWiseINT8Layout":
+        return "int8_convrot" if getattr(params, "convrot", False) else "int8"
+    if "FP8" in layout:
+        return "fp8"
+    if "NVFP4" in layout:
+        return "nvfp4" if getattr(linear, "input_scale", None) is not None else "nvfp4_dynamic"
+    return layout or "quantized"
+
+
+def block_adapter_ranks(block: torch.nn.Module, linears: dict[str, torch.nn.Module]
+                        ) -> dict[str, tuple[int, ...]]:
+    """The ranks of the on-activation adapters that RUN on each of the block's linears: fc2's
+    do not where the MLP's fused INT8 path never calls `fc2.forward` (`fused_int8_fc2`)."""
+    ranks = {name: activation_adapter_ranks(module) for name, module in linears.items()}
+    if ranks.get("fc2") and H3Ops.for_block(block).fused_int8_fc2(linears["fc2"]):
+        ranks["fc2"] = ()
+    return ranks
+
+
+def skipped_adapter_note(block: torch.nn.Module, fc2: torch.nn.Module) -> str:
+    """The status note when fc2 carries an on-activation adapter upstream does not run."""
+    if activation_adapter_ranks(fc2) and H3Ops.for_block(block).fused_int8_fc2(fc2):
+        return ("fc2's on-activation LoRA does not run (upstream's INT8 MLP computes fc2 in "
+                "linear_input_act, not fc2.forward): the pack computes what upstream does")
+    return ""
 
 
 def activation_adapters(linear: torch.nn.Module) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from .. import geometry
 
@@ -151,26 +152,52 @@ class RowFloors:
     # set on a GPU model and dtype `exact_rows.json` does not list: its base floors are the
     # EXACT_MIN_ROWS rule carried over from the measured GPUs, an assumption the status says
     assumed: str = ""
+    # per phase, the weight format's own minimum (`exact_rows.PhaseRule.base`): None the
+    # EXACT_MIN_ROWS rule (plain weights), 1 any row count (INT8 ConvRot)
+    qkv_base: int | None = None
+    ffn_base: int | None = None
+    # row slices change the result (NVFP4 without input_scale): the phase is never chunked
+    qkv_never: bool = False
+    ffn_never: bool = False
+
+    @classmethod
+    def of_rules(cls, qkv: Any, ffn: Any, assumed: str = "") -> RowFloors:
+        """From the two phases' `exact_rows.PhaseRule`s."""
+        return cls(qkv.floor, ffn.floor, qkv.why, ffn.why, assumed=assumed, qkv_base=qkv.base,
+                   ffn_base=ffn.base, qkv_never=qkv.never, ffn_never=ffn.never)
 
     def known(self, phase: str) -> bool:
         return getattr(self, phase) is not None
 
+    def never(self, phase: str) -> bool:
+        return bool(getattr(self, f"{phase}_never"))
+
+    def base(self, phase: str) -> int:
+        value = getattr(self, f"{phase}_base")
+        return EXACT_MIN_ROWS if value is None else value
+
     def split_floor(self, phase: str) -> int:
         """The floor `row_chunks` keeps this phase's chunks at (see there)."""
-        return max(EXACT_MIN_ROWS, getattr(self, phase) or 0)
+        return max(self.base(phase), getattr(self, phase) or 0)
+
+    def exact_from(self, phase: str) -> int:
+        """The smallest requested chunk `row_chunks` realises exactly (at or above the floor)."""
+        return min(self.split_floor(phase), EXACT_MIN_ROWS)
 
     def why(self, phase: str) -> str:
         return getattr(self, f"{phase}_why") or f"{phase} has no known row floor"
 
 
-def planned_floors(dims: BlockDims, adapters: Adapters) -> RowFloors:
+def planned_floors(dims: BlockDims, adapters: Adapters,
+                   weight_format: str = "bfloat16") -> RowFloors:
     """Floors the planner predicts with: the measured GPUs' table for these widths and adapters
-    (one rank on every adapted linear), before the GPU's own kernels are known."""
-    return _planned_floors(dims, adapters)
+    (one rank on every adapted linear), before the GPU's own kernels are known. weight_format:
+    the DiT's block linears' (`exact_rows.FORMAT_RULES`: "int8_convrot" needs no row floor)."""
+    return _planned_floors(dims, adapters, weight_format)
 
 
 @lru_cache(maxsize=256)
-def _planned_floors(dims: BlockDims, adapters: Adapters) -> RowFloors:
+def _planned_floors(dims: BlockDims, adapters: Adapters, weight_format: str) -> RowFloors:
     from . import exact_rows
 
     counts = {"qkv_proj": adapters.qkv, "out_proj": adapters.out_proj, "fc1": adapters.fc1,
@@ -178,9 +205,11 @@ def _planned_floors(dims: BlockDims, adapters: Adapters) -> RowFloors:
     ranks = {name: (adapters.rank,) if n > 0 else () for name, n in counts.items()}
     shapes = exact_rows.linear_shapes(dims.hidden, dims.inner, dims.ffn)
     table = exact_rows.planning_table()
-    found = {phase: exact_rows.phase_floor(table, shapes, ranks, linears, where="the measured GPUs")
+    formats = dict.fromkeys(counts, weight_format)
+    found = {phase: exact_rows.phase_rule(table, shapes, ranks, linears,
+                                          where="the measured GPUs", formats=formats)
              for phase, linears in exact_rows.PHASE_LINEARS.items()}
-    return RowFloors(found["qkv"][0], found["ffn"][0], found["qkv"][1], found["ffn"][1])
+    return RowFloors.of_rules(found["qkv"], found["ffn"])
 
 
 def _floors(floors: RowFloors | None, dims: BlockDims, adapters: Adapters) -> RowFloors:
@@ -191,7 +220,7 @@ def row_reasons(phase: str, value: int | str, floors: RowFloors, *,
                 tokens: int | None = None) -> list[str]:
     """Why chunks of `value` rows in `phase` may differ from the unchunked call ([] when
     exact). With `tokens`, only a value that really splits the sequence counts."""
-    if not value:
+    if not value or floors.never(phase):  # a never-split phase runs whole (the plan says so)
         return []
     if isinstance(value, int) and tokens is not None and \
             len(row_chunks(tokens, value, floors.split_floor(phase))) <= 1:
@@ -200,7 +229,7 @@ def row_reasons(phase: str, value: int | str, floors: RowFloors, *,
         if value == "auto":
             return [f"{floors.why(phase)}, if memory needs the {phase} chunked"]
         return [floors.why(phase)]
-    if isinstance(value, int) and value < EXACT_MIN_ROWS:
+    if isinstance(value, int) and value < floors.exact_from(phase):
         return [f"{phase} chunks of {value} rows (< {floors.split_floor(phase)})"]
     return []
 
@@ -490,9 +519,9 @@ def choose_chunks(free_bytes: int, tokens: int, dims: BlockDims = BlockDims(), *
     # never below a phase's floor: a sequence too short for two chunks of it is not row-chunked
     # by "auto" at all
     ffn_options = [ffn_chunk] if ffn_chunk is not None else \
-        [0] + [r for r in rows[1:] if r >= floors.split_floor("ffn")]
+        [0] + [r for r in rows[1:] if r >= floors.split_floor("ffn") and not floors.never("ffn")]
     qkv_options = [qkv_chunk] if qkv_chunk is not None else \
-        [0] + [r for r in rows[1:] if r >= floors.split_floor("qkv")]
+        [0] + [r for r in rows[1:] if r >= floors.split_floor("qkv") and not floors.never("qkv")]
     tiles = query_tiles(tokens)
     group_options = ([head_group] if head_group is not None else
                      [0] + [g for g in HEAD_GROUP_CANDIDATES

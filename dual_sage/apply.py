@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from ..guard.device import device_context
 from ..kernels import backend_names
 from ..kernels.comfy_calling import backend_function
 from . import sizing
-from .exactness import ExactRange
+from .exactness import ExactRange, claim, function_name
 from .shard_plan import ShardPlan, parse_devices, parse_split, validate_devices
 from .sharded import Attend, ShardedAttention, warn_once
 
@@ -300,9 +301,13 @@ class RecordAttentionModule:
     that passes its own `attention` module in `args` is honoured (upstream's DiTBlock takes one).
     """
 
+    # it never reads the residual stream: the sequence mode may keep its rows split across it
+    h3_multigpu_transparent = True
+
     def __init__(self, attention_module: Any, previous: Any = None):
         self.attention_module = attention_module
         self.previous = previous
+        self.h3_multigpu_previous = previous  # the chain the sequence mode walks
 
     def __deepcopy__(self, memo) -> RecordAttentionModule:
         return self  # holds the model's own module: never copied with model_options
@@ -371,12 +376,56 @@ def apply_dual_sage(model_patcher: Any, config: DualSageConfig) -> Any:
         patched.add_callback_with_key(on_detach, WRAPPER_KEY, lambda *_: sharded.release())
     to = patched.model_options["transformer_options"]
     to["h3_multigpu"] = {**to.get("h3_multigpu", {}),
-                         "dual_sage": status_text(sharded, config, previous)}
+                         "dual_sage": status_text(sharded, config, previous,
+                                                  function_names=functions_run(
+                                                      config, previous, diffusion_model))}
     return patched
 
 
+_SAGE_NODE_BACKENDS: dict[str, str] = {}  # words -> backend, for the claim of a status re-made
+
+
 def sage_node_words(backend: str) -> str:
-    return f"the H3 Sage Attention node's backend {backend}"
+    words = f"the H3 Sage Attention node's backend {backend}"
+    _SAGE_NODE_BACKENDS[words] = backend
+    return words
+
+
+def default_attention(diffusion_model: Any) -> Any:
+    """The attention function the H3 module calls when nothing prefers another: ComfyUI's
+    `optimized_attention` as the module imported it (the startup flags' choice: sub-quadratic
+    on CPU, SDPA on CUDA, sage/flash/xformers by flag), or the twin's. ComfyUI internal:
+    `comfy.ldm.minimax.model.optimized_attention` (0.33.0 and the newest files)."""
+    blocks = getattr(diffusion_model, "blocks", None) or []
+    if not blocks:
+        return None
+    return getattr(sys.modules.get(type(blocks[0]).__module__), "optimized_attention", None)
+
+
+def functions_run(config: DualSageConfig, previous: Any, diffusion_model: Any
+                  ) -> tuple[str, ...] | None:
+    """The names of the attention functions the split calls will run (`function_for`), as far
+    as they are known when Dual-Sage is applied: None when an override installed before
+    decides per call. Newest files: each module's preferred attention where one is set; 0.33.0
+    has none (no ComfyAttention), so its `optimized_attention` is what runs."""
+    chosen = getattr(previous, "backend", None)
+    if isinstance(chosen, str):
+        return (chosen,)
+    if previous is not None:
+        return None
+    if config.backend != COMFYUI_FUNCTION:
+        return (config.backend,)
+    names = set()
+    default = default_attention(diffusion_model)
+    modules = _attention_modules(diffusion_model)
+    for module in modules:
+        preferred = getattr(module.comfy_attention, "function", None)
+        if preferred is not None:
+            names.add(function_name(preferred))
+    if default is not None and (not modules or any(
+            getattr(m.comfy_attention, "function", None) is None for m in modules)):
+        names.add(function_name(default))
+    return tuple(sorted(names)) or None
 
 
 def _function_words(config: DualSageConfig, previous: Any) -> str:
@@ -387,22 +436,25 @@ def _function_words(config: DualSageConfig, previous: Any) -> str:
         return f"backend {config.backend} (chosen here)"
     if previous is not None:
         return "ComfyUI's attention, through the override installed before (chained)"
-    return "ComfyUI's attention (the checkpoint's preferred, else ComfyUI's default)"
+    return "ComfyUI's attention (the checkpoint's preferred where this ComfyUI has it, else " \
+        "its optimized_attention)"
 
 
 def status_text(sharded: ShardedAttention, config: DualSageConfig | None = None,
-                previous: Any = None, function: str | None = None) -> str:
-    """One line for the node's status output: devices, split, function, exactness, transport."""
+                previous: Any = None, function: str | None = None,
+                function_names: tuple[str, ...] | None = None) -> str:
+    """One line for the node's status output: devices, split, function, exactness, transport.
+
+    function_names: the attention functions the split calls run (`functions_run`); the line
+    says "exact: yes" only when every one is measured per head subset on the root's device
+    type (`exactness.claim`), else "exact: no, <why>"."""
+    if function_names is None and function in _SAGE_NODE_BACKENDS:
+        function_names = (_SAGE_NODE_BACKENDS[function],)
     function = function or _function_words(config or DualSageConfig(), previous)
     plan = sharded.plan
     modes = sorted({resolve(sharded.transport, plan.root, h).value for h in plan.helpers})
-    if sharded.exact_range is None:
-        exact = "split calls equal one GPU only where the function treats heads independently " \
-                "and keeps its kernel choice (not checked: exact_only off)"
-    else:
-        where = sharded.exact_range.describe(plan.root, torch.bfloat16, 128)
-        exact = (f"exact (same bits as one GPU) where the function treats heads independently; "
-                 f"splits only in its exact range: {where}")
+    claims = [claim(plan.root, name, sharded.exact_range) for name in function_names or (None,)]
+    exact = next((c for c in claims if not c.startswith("exact: yes")), claims[0])
     return (f"Dual-Sage on: root {plan.root}, helpers {', '.join(map(str, plan.helpers))}; "
             f"heads {':'.join(map(str, plan.head_counts))}; shards {function}; {exact}; "
             f"transport {'/'.join(modes)}; min_tokens {sharded.min_tokens}")

@@ -10,8 +10,16 @@ backend, the fewest heads x rows per SM at which a subset call is still exact (m
 `bench/bench_split_exactness.py`; the lead regenerates it from the sweep's JSON). Dual-Sage
 sizes helper chunks to stay at or above it and keeps a call whole on the root otherwise.
 
-On the CPU every backend ComfyUI uses (sub-quadratic, SDPA) attends each head on its own:
-every subset is exact (the CPU tests check it with 1 and 2 threads).
+On the CPU (`bench/bench_split_exactness_cpu.py`, the file's "cpu" entry): ComfyUI's
+sub-quadratic (its CPU default), SDPA and basic attention give a subset of 2 or more heads the
+whole call's bits, fp32 and bf16, with 1, 2 or 4 threads; a 1-head call differs once torch runs
+more than one thread (fp32 with all three, bf16 with SDPA; one matrix is then split over the
+threads: up to 1.4e-6 seen), so with more than one thread a CPU subset needs 2 heads
+(`docs/results/split_exactness_cpu.json`: 255 of 3,798 cases, every one a 1-head subset).
+Other devices (MPS, XPU, ...) are not measured: their calls stay whole.
+
+Exact is claimed only for the functions measured (`MEASURED_FUNCTIONS`); the status line says
+"exact: yes (...)" there and "exact: no, <why>" elsewhere (`claim`).
 """
 
 from __future__ import annotations
@@ -26,35 +34,61 @@ import torch
 
 RANGE_FILE = Path(__file__).with_name("exact_range.json")
 SDPA_PRIORITY = ("flash", "cudnn", "efficient", "math")  # ComfyUI's order (comfy.ops)
+# attention functions whose head subsets were measured against the whole call, per device type:
+# ComfyUI's (their names in comfy.ldm.modules.attention) and this pack's SDPA backend
+MEASURED_FUNCTIONS = {
+    "cuda": frozenset({"attention_pytorch", "sdpa"}),
+    "cpu": frozenset({"attention_sub_quad", "attention_pytorch", "attention_basic", "sdpa"}),
+}
 
 
 @dataclass(frozen=True)
 class ExactRange:
-    """Per SDPA backend: fewest heads x rows per SM of an exact subset call (None: never)."""
+    """Per SDPA backend: fewest heads x rows per SM of an exact subset call (None: never); on
+    the CPU the fewest heads of an exact subset, with one torch thread and with more."""
 
     per_sm: dict[str, float | None]
     source: str = ""
+    cpu_min_heads: int = 2
+    cpu_min_heads_one_thread: int = 1
+    cpu_source: str = ""
 
     @classmethod
     def load(cls, path: Path | str = RANGE_FILE) -> ExactRange:
         data = json.loads(Path(path).read_text())
         per_sm = {name: entry.get("min_heads_x_rows_per_sm")
                   for name, entry in data["backends"].items()}
-        return cls(per_sm=per_sm, source=data.get("source", ""))
+        cpu = data.get("cpu", {})
+        return cls(per_sm=per_sm, source=data.get("source", ""),
+                   cpu_min_heads=int(cpu.get("min_heads", 2)),
+                   cpu_min_heads_one_thread=int(cpu.get("min_heads_one_thread", 1)),
+                   cpu_source=cpu.get("source", ""))
+
+    def cpu_heads(self) -> int:
+        """Fewest heads of an exact CPU subset with the threads torch uses now."""
+        if torch.get_num_threads() == 1:
+            return self.cpu_min_heads_one_thread
+        return self.cpu_min_heads
 
     def min_heads(self, device: torch.device, seq_len: int, dtype: torch.dtype,
                   head_dim: int) -> int | None:
         """Fewest heads a call of `seq_len` rows on `device` may carry and stay exact."""
+        if device.type == "cpu":
+            return self.cpu_heads()
         if device.type != "cuda":
-            return 1
+            return None  # not measured: calls stay whole
         value = self.per_sm.get(sdpa_backend(device, dtype, head_dim))
         if value is None:
             return None
         return max(1, math.ceil(value * sm_count(device) / max(seq_len, 1)))
 
     def describe(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+        if device.type == "cpu":
+            threads = torch.get_num_threads()
+            return (f"subsets of >= {self.cpu_heads()} heads on the CPU with {threads} "
+                    f"thread{'s' if threads != 1 else ''}, bench/bench_split_exactness_cpu.py")
         if device.type != "cuda":
-            return "every head subset (CPU)"
+            return f"no exact range measured on {device.type}: calls stay whole"
         backend = sdpa_backend(device, dtype, head_dim)
         value = self.per_sm.get(backend)
         if value is None:
@@ -97,3 +131,38 @@ def derive_per_sm(cases: list[dict]) -> float | None:
     if not above:
         return None
     return round(min(above), 1)
+
+
+@cache
+def default_range() -> ExactRange:
+    """The shipped `exact_range.json` (read once)."""
+    return ExactRange.load()
+
+
+def function_name(function) -> str:
+    """An attention function's name as `MEASURED_FUNCTIONS` lists it: ComfyUI's wrapped
+    kernels by their own name (`wrap_attn` keeps it), a `kernels` backend by its registry name."""
+    backend = getattr(function, "backend", None)
+    name = getattr(backend, "name", backend)
+    if isinstance(name, str):
+        return name
+    inner = getattr(function, "__wrapped__", function)
+    return getattr(inner, "__name__", type(inner).__name__)
+
+
+def claim(device: torch.device, function: str | None, exact_range: ExactRange | None, *,
+          dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str:
+    """The status line's exactness claim for head subsets of `function` split from `device`:
+    "exact: yes (...)" only where measured, else "exact: no, <why>"."""
+    if exact_range is None:
+        return ("exact: no, exact_only is off: calls are split outside the measured exact "
+                "range too (may differ from one GPU in the last bits)")
+    if function is None:
+        return ("exact: no, the attention function is chosen per call (an override installed "
+                "before decides), and only measured functions are known exact per head subset")
+    measured = MEASURED_FUNCTIONS.get(device.type, frozenset())
+    if function not in measured:
+        return (f"exact: no, {function}'s head subsets are not measured against its whole call "
+                f"on {device.type} (measured: {', '.join(sorted(measured)) or 'none'})")
+    return (f"exact: yes (same bits as one GPU: splits only where measured exact, "
+            f"{exact_range.describe(device, dtype, head_dim)})")

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ..chunking import exact_rows
-from ..chunking.block import device_name, linear_shape
-from ..chunking.h3_ops import H3Ops, activation_adapter_ranks
+from ..chunking.block import device_name, is_nvidia, linear_shape
+from ..chunking.h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
@@ -51,6 +51,8 @@ OUTER_SAMPLE = "outer_sample"  # ComfyUI's WrappersMP.OUTER_SAMPLE value
 ON_DETACH = "on_detach_after"  # ComfyUI's CallbacksMP.ON_DETACH value
 GIB = 1 << 30
 DEFAULT_LINK = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
+DYNAMIC_VRAM_OFF = ("off: under DynamicVRAM the helper weights need ComfyUI-managed clones "
+                    "(not yet)")
 _warned: set[str] = set()
 
 
@@ -73,7 +75,8 @@ class SequenceParallelConfig:
     helper_weights: "auto" (a replica when it fits, else streamed), "replica" or "stream".
     chunk_heads: heads per attention call; None: 7 over peer copies, 4 through the host relay
         (`sizing.chunk_heads_for`), raised at short lengths (see `split.py`).
-    min_rows: smallest row share (None: 4096 on GPUs, the measured exact range).
+    min_rows: smallest row share (None: the measured exact range: 4096 rows on GPUs for plain
+        weights, none for INT8 ConvRot on NVIDIA GPUs, `chunking.exact_rows`).
     keep_weights: keep the helpers' weights between sampling runs (faster, holds helper memory).
     gpu_speeds / link_gbps: the time model's inputs (the planner passes the profile's).
     """
@@ -201,8 +204,10 @@ class SequenceParallel:
     """The mode's state for one patched model: split, runner, helper weights, last decisions."""
 
     def __init__(self, diffusion_model: torch.nn.Module, base_model: Any,
-                 devices: list[torch.device], config: SequenceParallelConfig):
+                 devices: list[torch.device], config: SequenceParallelConfig,
+                 dynamic_vram: bool = False):
         self.diffusion_model = diffusion_model
+        self.dynamic_vram = dynamic_vram  # every step falls back (`under_dynamic_vram`)
         self.base_model = base_model
         self.config = config
         self.blocks = list(diffusion_model.blocks)
@@ -243,35 +248,53 @@ class SequenceParallel:
         return sizing.LinkSpeed(gbps=gbps, host_relay=self.host_relay,
                                 host_gbps=self.config.host_gbps)
 
-    def share_floor(self, dtype: torch.dtype) -> tuple[int | None, str]:
-        """(rows, why): the row floor the blocks' GEMMs need on every device with the
-        on-activation adapters on them now (`chunking.exact_rows`: 0 when nothing beyond the
-        split's own floor; None when an adapter has no known floor, `why` names it)."""
+    def weight_formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Each block linear's weight formats over the blocks (`h3_ops.weight_format`)."""
+        return tuple((name, tuple(sorted({weight_format(_linear(b, name)) for b in self.blocks})))
+                     for name in exact_rows.LINEARS)
+
+    def share_floor(self, dtype: torch.dtype) -> tuple[int | None, str, int | None]:
+        """(rows, why, base): the row floor the blocks' GEMMs need on every device, for their
+        weight formats and the on-activation adapters that run on them now
+        (`chunking.exact_rows`): rows 0 when nothing beyond the share floor, None when a GEMM
+        has no known floor (`why` names it); base the formats' own share floor (None: the
+        split's, 4,096 rows on GPUs; 1 for INT8 ConvRot)."""
         found: dict[str, set[int]] = {name: set() for name in exact_rows.LINEARS}
         for block in self.blocks:  # bypass adapters are injected at load: look each time
-            for name in exact_rows.LINEARS:
-                found[name].update(activation_adapter_ranks(_linear(block, name)))
+            linears = {name: _linear(block, name) for name in exact_rows.LINEARS}
+            for name, ranks_of in block_adapter_ranks(block, linears).items():
+                found[name].update(ranks_of)
+        skipped = skipped_adapter_note(self.blocks[0], _linear(self.blocks[0], "fc2"))
+        if skipped:
+            self._note(skipped)
         ranks = tuple((name, tuple(sorted(found[name]))) for name in exact_rows.LINEARS)
-        key = (ranks, dtype)
+        formats = self.weight_formats()
+        key = (ranks, formats, dtype)
         if key not in self._floors:
             shapes = {name: linear_shape(_linear(self.blocks[0], name))
                       for name in exact_rows.LINEARS}
             dtype_name = str(dtype).removeprefix("torch.")
-            floor, why = 0, ""
+            floor, why, bases = 0, "", []
             for device in dict.fromkeys(self.devices):
                 name = device_name(device)
-                value, reason = exact_rows.phase_floor(
-                    exact_rows.table_for(name, dtype_name), shapes, dict(ranks),
-                    exact_rows.LINEARS, where=f"{name} {dtype_name}", gpu=device.type != "cpu")
-                if value is None:
-                    floor, why = None, reason
+                table = exact_rows.table_for(name, dtype_name)
+                rule = exact_rows.PhaseRule.combine([
+                    exact_rows.linear_rule(table, linear, *shapes[linear], dict(ranks)[linear],
+                                           where=f"{name} {dtype_name}",
+                                           gpu=device.type != "cpu", weight_format=fmt,
+                                           nvidia=is_nvidia(device))
+                    for linear, fmts in formats for fmt in fmts])
+                if rule.floor is None:
+                    floor, why = None, rule.why
                     break
-                if value > floor:
+                bases.append(rule.base)
+                if rule.floor > floor:
                     adapted = any(rs for _, rs in ranks)
-                    floor, why = value, ("the measured floor of the blocks' GEMMs"
-                                         + (" with their on-activation adapters" if adapted
-                                            else "") + f" on {name}")
-            self._floors[key] = (floor, why)
+                    floor, why = rule.floor, ("the measured floor of the blocks' GEMMs"
+                                              + (" with their on-activation adapters" if adapted
+                                                 else "") + f" on {name}")
+            base = None if floor is None or None in bases else max(bases, default=None)
+            self._floors[key] = (floor, why, base)
         return self._floors[key]
 
     def decide(self, seq_len: int, options: dict, forced: ParallelMode | None,
@@ -282,9 +305,13 @@ class SequenceParallel:
         if requested is ParallelMode.OFF:
             return _Decision(ParallelMode.OFF, "switched off" if forced is None else
                              "a helper failed at this length: one GPU")
-        floor, why = self.share_floor(dtype)
-        refusal = self.split.refusal(seq_len, floor, why)
-        if refusal is not None and (floor is None or floor > self.split.exact_min_rows):
+        if self.dynamic_vram:
+            return _Decision(ParallelMode.HEADS if heads_ok else ParallelMode.OFF,
+                             DYNAMIC_VRAM_OFF.removeprefix("off: "))
+        floor, why, base = self.share_floor(dtype)
+        refusal = self.split.refusal(seq_len, floor, why, base)
+        if refusal is not None and (floor is None or floor > self.split.exact_min_rows
+                                    or not refusal.startswith(f"{seq_len:,} tokens")):
             self._note(f"sequence refused at {seq_len:,} tokens: {refusal}")
         if refusal is None and seq_len in self.failed_lengths:
             refusal = "a helper failed at this length before"
@@ -533,18 +560,36 @@ class SequenceParallel:
         return wrapper
 
     def status(self) -> str:
+        if self.dynamic_vram:
+            return (f"{DYNAMIC_VRAM_OFF}; each step runs on Dual-Sage's heads where it is "
+                    "applied, else on one GPU")
         split = self.split
         helpers = ", ".join(str(d) for d in self.devices[1:])
         rows = ":".join(f"{w:g}" for w in split.row_weights)
         heads = "+".join(str(c) for c in split.head_counts)
         return (f"sequence parallel {self.config.parallel.value}: root {self.devices[0]}, "
                 f"helpers {helpers}; rows {rows}, heads {heads} in chunks of >= "
-                f"{split.chunk_heads}; transport {'/'.join(sorted(self.modes))}; helper weights "
-                f"{self.config.helper_weights}; exact (row shares >= {split.exact_min_rows:,}, "
-                f"more with on-activation LoRA; shorter steps run another way); mode chosen per "
-                f"step from the token count"
+                f"{split.chunk_heads_for(1 << 30)}; transport {'/'.join(sorted(self.modes))}; "
+                f"helper weights {self.config.helper_weights}; {self._exact_words()}; mode "
+                f"chosen per step from the token count"
                 + (f"; {self.config.note}" if self.config.note else "")
                 + "".join(f"; {note}" for note in self.notes))
+
+
+    def _exact_words(self) -> str:
+        """What the status claims about exactness, for the blocks' weight formats."""
+        rule = exact_rows.PhaseRule.combine([
+            exact_rows.linear_rule(None, name, 1, 1, (), where="", gpu=device.type != "cpu",
+                                   weight_format=fmt, nvidia=is_nvidia(device))
+            for device in dict.fromkeys(self.devices) for name, fmts in self.weight_formats()
+            for fmt in fmts])
+        if rule.floor is None:
+            return f"exact only where known: {rule.why}, so steps run another way"
+        if rule.base == 1:
+            rows = "row shares of any size (INT8 ConvRot weights)"
+        else:
+            rows = f"row shares >= {self.split.exact_min_rows:,}"
+        return (f"exact ({rows}, more with on-activation LoRA; shorter steps run another way)")
 
 
 class SequenceFailure(Exception):
@@ -632,7 +677,8 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
                          "needs a MiniMax H3 model")
     root = _root_device(model_patcher)
     devices = resolve_devices(root, config.helpers)
-    mode = SequenceParallel(diffusion_model, model_patcher.model, devices, config)
+    mode = SequenceParallel(diffusion_model, model_patcher.model, devices, config,
+                            dynamic_vram=under_dynamic_vram(model_patcher))
 
     patched = model_patcher.clone()
     options = patched.model_options.setdefault("transformer_options", {})
@@ -656,6 +702,19 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
     to["h3_multigpu"] = {**to.get("h3_multigpu", {}), "sequence": mode.status()}
     mode.sinks.append(to["h3_multigpu"])  # run-time refusals rewrite the line there
     return patched
+
+
+def under_dynamic_vram(model_patcher: Any) -> bool:
+    """Whether ComfyUI streams this model with DynamicVRAM (comfy-aimdo).
+
+    ComfyUI internal: `ModelPatcher.is_dynamic()`, True for the `ModelPatcherDynamic` its loader
+    picks then (ComfyUI 0.33.0 and the newest files; clones keep the class). The sequence mode
+    cannot run there yet: its helper weights would copy each module's `weight`, the unpatched
+    host tensor (a LoRA is a LowVramPatch applied at op time: lost), and the helper's linears
+    would take ComfyUI's VBAR cast (`comfy.ops.cast_bias_weight`: `hasattr(s, "_v")`), bound to
+    the root's allocation. The fix is helpers as ComfyUI-managed clones (a later step)."""
+    is_dynamic = getattr(model_patcher, "is_dynamic", None)
+    return bool(is_dynamic()) if callable(is_dynamic) else False
 
 
 def get_sequence_parallel(model_patcher: Any) -> SequenceParallel | None:

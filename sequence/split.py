@@ -12,8 +12,10 @@ chunk overlap the attention of this one.
 Exactness needs each device's row share inside the range where the GEMM kernel does not change
 with the row count (cuBLAS on H200: >= 4096 rows, measured by the chunking work; with
 on-activation adapters their GEMMs' measured floors, `chunking.exact_rows`, which can be higher
-or unknown). `refusal` says why a length falls outside it; the caller then runs the step
-another way.
+or unknown; per weight format: INT8 ConvRot weights need no floor), and each attention call's
+heads inside the measured exact range of the head subsets (on the CPU with more than one thread:
+2 heads, `dual_sage.exactness`). `refusal` says why a length falls outside it; the caller then
+runs the step another way.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from functools import lru_cache
 import torch
 
 from ..chunking.sizing import MIN_QUERY_TILES_PER_CALL
+from ..dual_sage.exactness import default_range
 from ..exchange import shares
 from .sizing import DEFAULT_CHUNK_HEADS
 
 EXACT_MIN_ROWS_GPU = 4096  # smallest row share whose GEMMs matched the full-length run on H200
-# CPU stand-ins (tests): MKL takes small-M paths for a few rows (1-3 rows differed on AVX2)
+# CPU stand-ins (tests): small-M paths for a few rows (1-3 rows differed on AVX2; fp32 with two
+# threads up to 11 rows on x86-64, torch 2.13; bf16 none)
 EXACT_MIN_ROWS_CPU = 16
 
 
@@ -131,7 +135,8 @@ class SequenceSplit:
         at least MIN_QUERY_TILES_PER_CALL (head, 64-row query tile) work items. Fewer make flash
         attention split the keys (split-KV), which changes the summation order."""
         if not any(d.type == "cuda" for d in self.devices):
-            return self.chunk_heads  # CPU stand-ins: no split-KV kernels to avoid
+            # CPU stand-ins: no split-KV kernels, but the measured head minimum of a call
+            return max(self.chunk_heads, default_range().cpu_heads())
         tiles = max(1, -(-seq_len // 64))
         return max(self.chunk_heads, -(-MIN_QUERY_TILES_PER_CALL // tiles))
 
@@ -151,15 +156,34 @@ class SequenceSplit:
         """Contiguous [a, b) row ranges per device for a sequence of `seq_len` rows."""
         return ranges_of(split_by_weights(seq_len, self.row_weights))
 
-    def refusal(self, seq_len: int, floor: int | None = 0, why: str = "") -> str | None:
+    def head_refusal(self) -> str | None:
+        """Why a device's head share cannot be attended exactly (None: every one can)."""
+        if any(d.type == "cuda" for d in self.devices):
+            return None  # GPUs: `chunk_heads_for` keeps each call in the exact range
+        need = default_range().cpu_heads()
+        fewest = min(self.head_counts)
+        if fewest >= need:
+            return None
+        return (f"a device attends {fewest} head(s); on the CPU with {torch.get_num_threads()} "
+                f"threads a call needs >= {need} heads to give the whole call's bits "
+                "(dual_sage/exact_range.json)")
+
+    def refusal(self, seq_len: int, floor: int | None = 0, why: str = "",
+                base: int | None = None) -> str | None:
         """Why a sequence of `seq_len` rows cannot run split exactly (None: it can).
 
         floor: a higher row floor the blocks' GEMMs need (the on-activation adapters' measured
-        floor, `why` names them); None: they have no known floor, so no split is exact."""
+        floor, `why` names them); None: they have no known floor, so no split is exact.
+        base: the weight format's own share floor instead of `exact_min_rows` (1: INT8
+        ConvRot); an explicit `min_rows` is kept."""
+        heads = self.head_refusal()
+        if heads is not None:
+            return heads
         if floor is None:
             return f"{why}: no row share is known to be bit-identical"
         shares = [b - a for a, b in self.rows_for(seq_len)]
-        low = max(self.exact_min_rows, floor)
+        own = self.exact_min_rows if base is None or self.min_rows is not None else base
+        low = max(own, floor)
         if min(shares) < low:
             cause = (f" ({why})" if why else "")
             return (f"{seq_len:,} tokens give a GPU only {min(shares):,} rows; row shares below "

@@ -521,25 +521,31 @@ class AttentionCounter:
     H3's module imports `optimized_attention` by name; this swaps that name for a wrapper
     built the way ComfyUI builds its own (`wrap_attn` around the same function), so the
     override and preferred-attention conventions behave exactly as without the counter.
+    kernel: run this attention function as ComfyUI's default instead (what a startup flag such
+    as --use-split-cross-attention or --use-sage-attention makes `optimized_attention` at import).
 
     entered:    attention call sites reached (refiner blocks and DiT blocks)
     default:    calls of the function ComfyUI would run by default (its `optimized_attention`
                 kernel: sub-quadratic on CPU, SDPA on CUDA...), including calls an
                 `optimized_attention_override` makes through the `func` it is handed
     preferred:  calls of a preferred attention set with `set_preferred_attention`
+    keywords:   the keyword names of each call site's call (`preferred_attention` where the
+                release passes one)
     """
 
-    def __init__(self):
+    def __init__(self, kernel=None):
         self.entered = 0
         self.default = 0
         self.preferred = 0
+        self.keywords: list[frozenset[str]] = []
+        self.kernel = kernel
         self._saved = None
 
     def __enter__(self) -> AttentionCounter:
         comfy = import_comfyui()
         h3 = comfy.ldm.minimax.model
         attention = comfy.ldm.modules.attention
-        original = h3.optimized_attention
+        original = h3.optimized_attention if self.kernel is None else self.kernel
         kernel = getattr(original, "__wrapped__", original)
 
         @functools.wraps(kernel)
@@ -552,11 +558,12 @@ class AttentionCounter:
 
         def entry(*args, **kwargs):
             self.entered += 1
+            self.keywords.append(frozenset(kwargs))
             return wrapped(*args, **kwargs)
 
         entry.__wrapped__ = counted_kernel
         entry.container_function = wrapped.container_function
-        self._saved = (h3, original)
+        self._saved = (h3, h3.optimized_attention)
         h3.optimized_attention = entry
         return self
 
@@ -571,6 +578,19 @@ class AttentionCounter:
             self.preferred += 1
             return fn(*args, **kwargs)
         return counted
+
+
+def preferred_attention_missing(patcher) -> str | None:
+    """Why this ComfyUI's H3 has no per-module preferred attention, or None when it has one.
+
+    The newest files give each H3 `Attention` a `comfy_attention` (ComfyAttention, set from a
+    checkpoint's `comfy_attention.config`) and pass it as `preferred_attention=`; ComfyUI 0.33.0
+    has neither: its H3 runs `optimized_attention`, chosen at startup by the flags."""
+    if any(hasattr(m, "comfy_attention") for m in patcher.model.diffusion_model.modules()):
+        return None
+    return ("this ComfyUI's H3 Attention has no per-module ComfyAttention (ComfyUI 0.33.0): "
+            "nothing prefers another attention; its optimized_attention (the startup flags' "
+            "choice) runs, and the tests of that kernel cover it")
 
 
 def set_preferred_attention(patcher, fn) -> int:

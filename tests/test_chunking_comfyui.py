@@ -31,11 +31,20 @@ from comfyui_h3 import (
     with_lora,
 )
 
-from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
+from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, exact_rows, sizing
 from h3_multigpu.chunking.block import ChunkedBlockForward
-from h3_multigpu.chunking.h3_ops import H3Ops, activation_adapters
+from h3_multigpu.chunking.h3_ops import H3Ops, activation_adapters, weight_format
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """Two threads, as ComfyUI runs on a CPU (the row and head rules are measured with them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +238,70 @@ def test_lora_cycles_with_chunking_equal_unpatched_cycles(lora_sd):
         _engaged(counts, attention, _chunks(patcher), counts.rows[0])
         _same_as_unpatched(out, ref, patcher, counts.rows[0], _chunks(patcher), rank)
         assert bypass_adapted_modules(patcher) == (0 if rank == 0 else 16), step
+
+
+# ------------------------------------------------------------------------------------------------
+# INT8 ConvRot weights (the official DiT format), loaded by ComfyUI's own loader
+# ------------------------------------------------------------------------------------------------
+
+INT8 = TinyH3Config(heads=8, weights="int8_convrot", dtype=torch.bfloat16)
+# S = 44 / 50 rows: two chunks of 22-25 rows per phase, above the CPU's measured row floor
+ROWS = ChunkingConfig(ffn_chunk=24, qkv_chunk=30)
+CPU_MIN_ROWS = 16  # fp32 slices of up to 11 rows differ with 2 threads (INT8 eager kernel too)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_int8_convrot_chunked_equals_unpatched(case, lora_sd, monkeypatch):
+    """INT8 ConvRot weights loaded by ComfyUI's loader, chunked, against unpatched ComfyUI:
+    weight-patch LoRA (requantized INT8), lowvram LoRA (ComfyUI's cast dequantizes: a plain
+    GEMM), bypass LoRA (its fc2 adapter does not run in upstream's INT8 MLP, whose
+    `linear_input_act` never calls fc2.forward: not unpatched, not chunked, and the status says
+    so). On the CPU ComfyUI computes in fp32 and the eager INT8 kernel keeps the CPU row rule
+    (`exact_rows`), scaled here to the measured 16 rows; the NVIDIA any-rows rule is the `gpu`
+    test's (test_chunking_int8_gpu)."""
+    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", CPU_MIN_ROWS)
+    patcher = make_tiny_h3(INT8, seed=0)
+    block = patcher.model.diffusion_model.blocks[0]
+    assert H3Ops.for_block(block).fused_int8_fc2(block.mlp.fc2)
+    assert weight_format(block.mlp.fc1) == "int8_convrot"
+    conditioned = case != "plain"
+    inputs = make_inputs(INT8, keyframe=conditioned, audio_mask=conditioned)
+    run_kwargs = {}
+    if case in ("lora", "lora_lowvram"):
+        patcher = with_lora(patcher, lora_sd)
+        if case == "lora_lowvram":
+            run_kwargs["lowvram_bytes"] = 1
+    elif case == "bypass_lora":
+        try:
+            patcher = with_bypass_lora(patcher, lora_sd)
+        except RuntimeError as exc:  # ComfyUIUnavailable: a ComfyUI without bypass LoRA
+            pytest.skip(str(exc))
+    base = run_like_sampler(make_tiny_h3(INT8, seed=0), inputs)
+    reference, ref_counts, _ = _run(patcher, inputs, **run_kwargs)
+    chunked = apply_activation_chunking(patcher, ROWS)
+    out, counts, attention = _run(chunked, inputs, **run_kwargs)
+    tokens = counts.rows[0]
+    forward = chunked.object_patches["diffusion_model.blocks.0.forward"]
+    plan = forward.last_plan
+    assert counts.per_block("mlp.fc1") == len(sizing.row_chunks(tokens, 24, plan.ffn_floor)) > 1
+    assert counts.per_block("attn.qkv_proj") == len(sizing.row_chunks(tokens, 30,
+                                                                      plan.qkv_floor)) > 1
+    # fc2 is computed inside linear_input_act: its forward never runs, unpatched or chunked
+    assert counts.calls["mlp.fc2"] == ref_counts.calls["mlp.fc2"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(out, reference, strict=True))
+    lora = case in ("lora", "lora_lowvram", "bypass_lora")  # it changes the output
+    assert lora != all(torch.equal(a, b) for a, b in zip(out, base, strict=True))
+    line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    assert line.endswith("; exact"), line
+    formats = dict(forward.weight_formats())
+    if case == "lora_lowvram":
+        assert lowvram_patched_modules(chunked) > 0
+        assert formats["fc1"] in exact_rows.PLAIN_FORMATS  # dequantized: a plain GEMM
+    else:
+        assert formats["fc1"] == "int8_convrot"
+    skipped = "fc2's on-activation LoRA does not run"
+    assert (skipped in line) == (case == "bypass_lora"), line
+    if case == "bypass_lora":
+        assert bypass_adapted_modules(chunked) == 4 * (INT8.blocks + INT8.refiner_blocks)
+        assert dict(forward.adapter_ranks()) == {"qkv_proj": (4,), "out_proj": (4,),
+                                                 "fc1": (4,), "fc2": ()}

@@ -277,3 +277,125 @@ def test_a_gpu_without_measured_floors_is_exact_only_as_assumed(tiny_config, mon
     else:
         assert f"exact as assumed ({gpu} bfloat16 is not in chunking/exact_rows.json" in line
         assert "bench/sweep_chunk_exactness.py" in line
+
+
+# ------------------------------------------------------------------ per weight format
+def test_row_floors_are_per_weight_format():
+    """INT8 ConvRot needs no floor (per-row activation quantization, int32 accumulation);
+    FP8 / INT8 without ConvRot are not measured; NVFP4 without input_scale never splits."""
+    table = exact_rows.table_for(H200, "bfloat16")
+    ranks = {name: () for name in ALL}
+
+    def rule(fmt, adapters=ranks):
+        return {phase: exact_rows.phase_rule(table, H3, adapters, names, where=H200,
+                                             formats=dict.fromkeys(ALL, fmt))
+                for phase, names in exact_rows.PHASE_LINEARS.items()}
+
+    plain = rule("bfloat16")
+    assert (plain["qkv"].floor, plain["qkv"].base) == (256, None)  # the table and 4,096 rows
+    int8 = rule("int8_convrot")
+    assert all((r.floor, r.base, r.never) == (0, 1, False) for r in int8.values())
+    # measured on NVIDIA's CUDA kernel only: the CPU's eager kernel keeps the CPU rule (fp32
+    # activations: slices of <= 11 rows differ), another GPU (ROCm) knows no floor
+    on_cpu = exact_rows.linear_rule(None, "fc1", 5376, 28672, (), where="cpu", gpu=False,
+                                    weight_format="int8_convrot")
+    assert (on_cpu.floor, on_cpu.base) == (0, None)
+    rocm = exact_rows.linear_rule(None, "fc1", 5376, 28672, (), where="AMD", nvidia=False,
+                                  weight_format="int8_convrot")
+    assert rocm.floor is None and "NVIDIA GPUs only" in rocm.why
+    floors = RowFloors.of_rules(int8["qkv"], int8["ffn"])
+    assert floors.split_floor("ffn") == 1 and floors.exact_from("qkv") == 1
+    assert sizing.row_chunks(3320, 512, floors.split_floor("ffn")) == \
+        sizing.row_chunks(3320, 512, 1)
+    assert sizing.row_reasons("ffn", 512, floors) == []  # small chunks stay exact
+    assert sizing.row_reasons("ffn", 512, RowFloors()) == ["ffn chunks of 512 rows (< 4096)"]
+    # an on-activation adapter's own GEMMs are bf16 ones: its table floor and the 4,096 rule
+    lora = rule("int8_convrot", {**ranks, "fc1": (128,)})["ffn"]
+    assert (lora.floor, lora.base) == (2300, None)
+    for fmt, words in (("fp8", "FP8 weights"), ("int8", "without ConvRot"),
+                       ("nvfp4", "static input_scale"), ("TensorCoreConvRotW4A4Layout",
+                                                        "no row floor measured")):
+        found = rule(fmt)["qkv"]
+        assert found.floor is None and not found.never and words in found.why, fmt
+    never = rule("nvfp4_dynamic")["ffn"]
+    assert never.never and "whole tensor" in never.why
+    # mixed formats: the strictest wins
+    mixed = exact_rows.phase_rule(table, H3, ranks, ("fc1", "fc2"), where=H200,
+                                  formats={"fc1": "int8_convrot", "fc2": "bfloat16"})
+    assert (mixed.floor, mixed.base) == (512, None)
+    int8_plan = sizing.planned_floors(BlockDims(), Adapters(), "int8_convrot")
+    assert int8_plan.split_floor("qkv") == 1 and sizing.planned_floors(
+        BlockDims(), Adapters()).split_floor("qkv") == 4096
+
+
+def test_auto_chunks_an_int8_convrot_block_below_4096_rows():
+    dims = BlockDims()
+    int8 = RowFloors(qkv_base=1, ffn_base=1)
+    free = 1200 << 20  # the unchunked MLP (1.09 GB at 8,000 tokens) does not fit
+    bf16 = sizing.choose_chunks(free, 8_000, dims, floors=RowFloors())
+    small = sizing.choose_chunks(free, 8_000, dims, floors=int8)
+    assert not bf16.fits  # two chunks would go under 4,096 rows: realised whole
+    assert len(sizing.row_chunks(8_000, bf16.ffn_chunk, 4096)) == 1
+    # no 4,096-row floor to stay above: realised as 4,096 + 3,904 rows
+    assert small.fits and [b - a for a, b in sizing.row_chunks(
+        8_000, small.ffn_chunk, int8.split_floor("ffn"))] == [4096, 3904]
+    never = RowFloors(ffn=None, ffn_never=True, ffn_why="fc1: NVFP4 ... whole tensor")
+    assert sizing.choose_chunks(1 << 30, 8_000, dims, floors=never).ffn_chunk == 0
+
+
+class QuantizedTensor(torch.Tensor):
+    """A stand-in carrying what `weight_format` reads off ComfyUI's QuantizedTensor (the real
+    one is checked against ComfyUI's INT8 ConvRot checkpoints in test_chunking_comfyui)."""
+
+    @staticmethod
+    def __new__(cls, layout, **params):
+        out = torch.Tensor._make_subclass(cls, torch.zeros(4, 4), False)
+        out._layout_cls = layout
+        out._params = type("Params", (), {"orig_dtype": torch.bfloat16, **params})()
+        return out
+
+
+@pytest.mark.parametrize("layout,params,input_scale,expected", [
+    ("TensorWiseINT8Layout", {"convrot": True}, None, "int8_convrot"),
+    ("TensorWiseINT8Layout", {"convrot": False}, None, "int8"),
+    ("TensorCoreFP8E4M3Layout", {}, torch.ones(()), "fp8"),
+    ("TensorCoreNVFP4Layout", {}, torch.ones(()), "nvfp4"),
+    ("TensorCoreNVFP4Layout", {}, None, "nvfp4_dynamic"),
+    ("AsymW4A8Int8Layout", {}, None, "AsymW4A8Int8Layout"),
+])
+def test_weight_format_reads_the_layout(layout, params, input_scale, expected):
+    from h3_multigpu.chunking.h3_ops import weight_format
+
+    linear = torch.nn.Linear(4, 4)
+    del linear.weight
+    linear.weight = QuantizedTensor(layout, **params)
+    linear.input_scale = input_scale
+    assert weight_format(linear) == expected
+    linear.weight_function = [lambda w: w]  # a lowvram LoRA: the cast dequantizes
+    assert weight_format(linear) == "bfloat16"
+    assert weight_format(torch.nn.Linear(4, 4).to(torch.float16)) == "float16"
+
+
+def test_a_never_split_weight_format_keeps_its_phase_whole(monkeypatch, tiny_config):
+    """fc1 in NVFP4 without input_scale (a per-tensor activation scale): its phase runs whole
+    whatever is asked or free, and the status says why; the other phase still chunks."""
+    import h3_multigpu.chunking.block as block_module
+
+    real = block_module.weight_format
+    model = make_twin(tiny_config, dtype=BF16, seed=3)
+    fc1s = {id(b.mlp.fc1) for b in model.blocks}
+    monkeypatch.setattr(block_module, "weight_format",
+                        lambda m: "nvfp4_dynamic" if id(m) in fc1s else real(m))
+    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(block_module, "free_device_bytes", lambda device: 1)  # nothing fits
+    inputs = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
+                         dtype=BF16)
+    reference = TwinPatcher(model).apply_model(*inputs)
+    patched = apply_activation_chunking(TwinPatcher(model), ChunkingConfig(ffn_chunk=8,
+                                                                           qkv_chunk=8))
+    assert "ffn kept whole (fc1: NVFP4 weights without input_scale" in _line(patched)
+    rows = _rows_seen(model)
+    out = patched.apply_model(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(out, reference, strict=True))
+    assert rows["fc1"] == [44] and len(rows["qkv"]) > 1
+    assert "ffn kept whole" in _line(patched) and _line(patched).endswith("; exact")

@@ -16,6 +16,7 @@ from comfyui_h3 import (
     make_inputs,
     make_lora_state_dict,
     make_tiny_h3,
+    preferred_attention_missing,
     run_like_sampler,
     set_preferred_attention,
     with_lora,
@@ -24,13 +25,20 @@ from comfyui_h3 import (
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
 CONFIGS = [TinyH3Config(adaln="curve"), TinyH3Config(adaln="full")]
+# the official DiT format: INT8 ConvRot block linears, bf16 elsewhere (ComfyUI's loader)
+INT8 = TinyH3Config(adaln="curve", weights="int8_convrot", dtype=torch.bfloat16)
+ALL = CONFIGS + [INT8]
+
+
+def _id(config: TinyH3Config) -> str:
+    return config.adaln if config.weights == "float" else config.weights
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.adaln)
+@pytest.mark.parametrize("config", ALL, ids=_id)
 @pytest.mark.parametrize("conditioned", [False, True], ids=["plain", "keyframe+audio_mask"])
 def test_unpatched_runs_are_bit_identical(config, conditioned):
     patcher = make_tiny_h3(config, seed=0)
@@ -55,7 +63,7 @@ def test_conditioning_reaches_the_model(config):
     assert not torch.equal(plain[1], masked[1])  # kept audio frames run at their own timestep
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.adaln)
+@pytest.mark.parametrize("config", ALL, ids=_id)
 def test_lora_on_off_on_cycles_bit_for_bit(config):
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config, keyframe=True, audio_mask=True)
@@ -85,8 +93,7 @@ def test_lowvram_lora_matches_full_load_lora():
     assert not torch.equal(base[0], full[0])
 
 
-def test_attention_counter_sees_overrides_and_preferred_attention():
-    comfy = import_comfyui_or_skip()
+def test_attention_counter_sees_overrides():
     config = CONFIGS[0]
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config)
@@ -107,6 +114,46 @@ def test_attention_counter_sees_overrides_and_preferred_attention():
     assert calls.default == config.refiner_blocks + config.blocks
     assert _same(out, base)
 
+
+def test_the_startup_flags_kernel_is_what_h3_calls():
+    """Every release: H3 calls the `optimized_attention` ComfyUI picked at startup (a flag's
+    kernel here: basic attention, whose bits differ from the CPU default, sub-quadratic), and
+    an override is handed that kernel as `func`. Only a release with per-module preferred
+    attention passes `preferred_attention=` (0.33.0 does not)."""
+    comfy = import_comfyui_or_skip()
+    config = CONFIGS[0]
+    patcher = make_tiny_h3(config, seed=0)
+    inputs = make_inputs(config)
+    default = run_like_sampler(patcher, inputs)
+    basic = comfy.ldm.modules.attention.attention_basic
+    seen = []
+
+    def override(func, *args, **kwargs):
+        seen.append(func)
+        return func(*args, **kwargs)
+
+    overridden = patcher.clone()
+    overridden.model_options.setdefault("transformer_options", {})[
+        "optimized_attention_override"] = override
+    with AttentionCounter(kernel=basic) as calls:
+        flagged = run_like_sampler(patcher, inputs)
+        through_override = run_like_sampler(overridden, inputs)
+    assert not _same(flagged, default) and _same(through_override, flagged)
+    assert calls.default == 2 * (config.refiner_blocks + config.blocks)
+    # the kernel itself (behind the counter's count)
+    assert len(seen) == config.blocks and all(f.__wrapped__ is basic.__wrapped__ for f in seen)
+    passes_preferred = {"preferred_attention" in kw for kw in calls.keywords}
+    assert passes_preferred == {preferred_attention_missing(patcher) is None}
+
+
+def test_attention_counter_sees_preferred_attention():
+    comfy = import_comfyui_or_skip()
+    config = CONFIGS[0]
+    patcher = make_tiny_h3(config, seed=0)
+    missing = preferred_attention_missing(patcher)
+    if missing:
+        pytest.skip(missing)
+    inputs = make_inputs(config)
     sub_quad = comfy.ldm.modules.attention.attention_sub_quad
     with AttentionCounter() as calls:
         set_preferred_attention(patcher, calls.count_preferred(sub_quad))

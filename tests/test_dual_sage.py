@@ -29,6 +29,23 @@ from h3_multigpu.twin import AttentionTensorContainer, TwinPatcher
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """Two threads, as ComfyUI runs on a CPU: the exactness rules are measured with them
+    (`dual_sage/exactness.py`: a subset needs 2 heads then)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread(_two_threads):
+    """For the mechanism tests that split down to 1-head subsets without an exact range:
+    those are exact on the CPU only single-threaded (measured: `exact_range.json` "cpu")."""
+    torch.set_num_threads(1)
+
+
 def strided_qkv(seq_len=37, heads=8, head_dim=16, seed=0):
     """`[1, H, S, D]` views of one `[S, 3*H*D]` buffer, exactly as the twin hands them over."""
     gen = torch.Generator().manual_seed(seed)
@@ -61,7 +78,8 @@ def fake_plan(*counts):
 @pytest.mark.parametrize("transport", [TransportMode.PEER, TransportMode.HOST])
 @pytest.mark.parametrize("chunk_heads,ring_slots", [(1, 1), (2, 2), (3, 2), (8, 3)])
 @pytest.mark.parametrize("seq_len", [37, 64])
-def test_sharded_call_is_bit_identical(counts, transport, chunk_heads, ring_slots, seq_len):
+def test_sharded_call_is_bit_identical(counts, transport, chunk_heads, ring_slots, seq_len,
+                                       one_thread):
     q, k, v = strided_qkv(seq_len=seq_len)
     shard = ShardedAttention(fake_plan(*counts), transport=transport, chunk_heads=chunk_heads,
                              ring_slots=ring_slots)
@@ -81,7 +99,7 @@ def test_sharded_call_is_bit_identical(counts, transport, chunk_heads, ring_slot
     assert shard.workspace_allocations == len(counts) - 1
 
 
-def test_a_call_with_fewer_heads_is_split_by_the_same_weights():
+def test_a_call_with_fewer_heads_is_split_by_the_same_weights(one_thread):
     q, k, v = strided_qkv(heads=3)  # e.g. a head group from activation chunking
     shard = ShardedAttention(fake_plan(5, 3))
     assert shard.plan.counts_for(3) == (2, 1)
@@ -91,7 +109,7 @@ def test_a_call_with_fewer_heads_is_split_by_the_same_weights():
     assert torch.equal(shard(q1, k1, v1, CountingAttend()), reference(q1, k1, v1))
 
 
-def test_uneven_head_groups_reuse_one_workspace():
+def test_uneven_head_groups_reuse_one_workspace(one_thread):
     """Chunking's head groups (3, 3, 2 of 8 heads here; 16, 16, 16, 8 on H3) fit the buffers
     of the largest group: one allocation per helper for every block, not two per block."""
     q, k, v = strided_qkv(heads=8, seq_len=40)
@@ -158,7 +176,11 @@ def test_exact_range_threshold_from_a_sweep():
     # every case above the largest inexact one (4 heads x 3320) is exact: 1 head x 15,399
     assert per_sm == round(15399 / 132, 1)
     rng = ExactRange(per_sm={"flash": per_sm, "math": None})
-    assert rng.min_heads(CPU, 3320, torch.bfloat16, 128) == 1  # every subset on the CPU
+    # the CPU: 2 heads with more than one thread (a 1-head call differs in fp32), 1 with one
+    assert rng.min_heads(CPU, 3320, torch.float32, 128) == 2
+    torch.set_num_threads(1)
+    assert rng.min_heads(CPU, 3320, torch.float32, 128) == 1
+    assert rng.min_heads(torch.device("mps"), 3320, torch.float32, 128) is None  # not measured
     assert derive_per_sm([dict(heads=56, seq_len=4096, sms=132, exact=False)]) is None
     shipped = ExactRange.load()
     assert set(shipped.per_sm) >= {"flash", "cudnn", "efficient", "math"}
@@ -407,7 +429,9 @@ def test_clones_share_one_runtime(tiny_twin, tiny_inputs):
     assert options["transformer_options"]["optimized_attention_override"] is override_of(patched)
 
 
-def test_composes_with_head_group_chunking_in_either_order(tiny_twin, tiny_inputs):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_composes_with_head_group_chunking_in_either_order(tiny_twin, tiny_inputs, threads):
+    torch.set_num_threads(threads)
     chunking = pytest.importorskip("h3_multigpu.chunking")
     config = chunking.ChunkingConfig(head_group=3, qkv_chunk=16, ffn_chunk=16)
     chunked = chunking.apply_activation_chunking(TwinPatcher(tiny_twin), config)
@@ -418,9 +442,13 @@ def test_composes_with_head_group_chunking_in_either_order(tiny_twin, tiny_input
         out = patched.apply_model(*tiny_inputs)
         assert torch.equal(out[0], reference_out[0]) and torch.equal(out[1], reference_out[1])
         shard = shard_of(patched)
-        # refiner whole (8 heads) + three blocks of head groups 3, 3, 2: all split, and the
-        # groups share the largest group's buffers
-        assert shard.routes["split"] == 10 and shard.workspace_allocations <= 2
+        # refiner whole (8 heads, 4:4) + three blocks of head groups 3, 3, 2 (2:1, 2:1, 1:1):
+        # with one thread all split, sharing the largest group's buffers; with two a 1-head
+        # subset is not known exact, so those groups stay whole on the root
+        if threads == 1:
+            assert shard.routes["split"] == 10 and shard.workspace_allocations <= 2
+        else:
+            assert dict(shard.routes) == {"split": 1, "inexact": 9}
 
 
 # ---------------------------------------------------------------------- SageAttention node

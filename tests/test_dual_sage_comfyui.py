@@ -3,9 +3,13 @@
     COMFYUI_PATH=/path/to/ComfyUI python -m pytest -m comfyui tests/test_dual_sage_comfyui.py
 
 CPU: helper "devices" are the CPU (streams are no-ops), ComfyUI's default attention is its
-sub-quadratic kernel. `multi_gpu`: root cuda:1, helper cuda:0, bf16, 56 heads of 128, ComfyUI's
-SDPA with its backend priority. Every case compares with ComfyUI's own unpatched output and
-counts that the feature ran (split calls, the functions called per head subset).
+sub-quadratic kernel, two threads (where a head subset needs 2 heads to keep the whole call's
+bits: `dual_sage/exactness.py`). Models: fp32 and INT8 ConvRot (the official DiT format, bf16
+config) tiny checkpoints loaded by ComfyUI's loader. `multi_gpu`: root cuda:1, helper cuda:0,
+bf16, 56 heads of 128, ComfyUI's SDPA with its backend priority. Every case compares with
+ComfyUI's own unpatched output and counts that the feature ran (split calls, the functions
+called per head subset). On ComfyUI 0.33.0 (no per-module ComfyAttention) the preferred-attention
+case skips with the reason and the startup flags' kernel case covers what that release runs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from comfyui_h3 import (
     make_inputs,
     make_lora_state_dict,
     make_tiny_h3,
+    preferred_attention_missing,
     run_like_sampler,
     set_preferred_attention,
     unload_all,
@@ -36,9 +41,19 @@ from h3_multigpu.kernels import register as register_backend
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
-CONFIG = TinyH3Config(heads=4, adaln="curve")  # 4 heads of 128: split 2:1:1 over 3 devices
+CONFIG = TinyH3Config(heads=8, adaln="curve")  # 8 heads of 128: split 3:3:2 over 3 devices
+INT8 = TinyH3Config(heads=8, adaln="curve", weights="int8_convrot", dtype=torch.bfloat16)
+MODELS = {"fp32": CONFIG, "int8_convrot": INT8}
 HELPERS = ("cpu", "cpu")
 SUBSETS = 3  # attention calls per split call: the root's heads and one chunk per helper
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def same(a, b) -> bool:
@@ -55,8 +70,9 @@ def shard_of(patcher):
     return patcher.model_options["transformer_options"]["optimized_attention_override"].sharded
 
 
-def test_equals_unpatched_with_comfyuis_default_attention():
-    patcher = make_tiny_h3(CONFIG, seed=0)
+@pytest.mark.parametrize("weights", MODELS)
+def test_equals_unpatched_with_comfyuis_default_attention(weights):
+    patcher = make_tiny_h3(MODELS[weights], seed=0)
     inputs = make_inputs(CONFIG, keyframe=True, audio_mask=True)
     with AttentionCounter() as plain_calls:
         plain = run_like_sampler(patcher, inputs)
@@ -73,11 +89,36 @@ def test_equals_unpatched_with_comfyuis_default_attention():
     assert calls.default == CONFIG.refiner_blocks + CONFIG.blocks * SUBSETS
     assert shard.workspace_allocations >= 1
     assert shard.workspace_bytes() == 0  # ComfyUI's cleanup after sampling freed them
+    status = patched.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
+    assert "exact: yes" in status and "subsets of >= 2 heads" in status, status
+
+
+def test_the_startup_flags_kernel_is_what_gets_sharded():
+    """What every release runs when nothing prefers another function (0.33.0 always): the
+    kernel ComfyUI's flags made `optimized_attention` (basic attention here, whose bits differ
+    from the CPU default), sharded per head subset, equal to that kernel unpatched."""
+    comfy = import_comfyui_or_skip()
+    patcher = make_tiny_h3(CONFIG, seed=0)
+    inputs = make_inputs(CONFIG, keyframe=True, audio_mask=True)
+    basic = comfy.ldm.modules.attention.attention_basic
+    default = run_like_sampler(patcher, inputs)
+    with AttentionCounter(kernel=basic) as plain_calls:
+        plain = run_like_sampler(patcher, inputs)
+    patched = dual(patcher)
+    with AttentionCounter(kernel=basic) as calls:
+        out = run_like_sampler(patched, inputs)
+    assert not same(plain, default) and same(out, plain)
+    assert plain_calls.default == CONFIG.refiner_blocks + CONFIG.blocks
+    assert calls.default == CONFIG.refiner_blocks + CONFIG.blocks * SUBSETS
+    assert shard_of(patched).routes["split"] == CONFIG.blocks
 
 
 def test_the_checkpoints_preferred_attention_is_what_gets_sharded():
     comfy = import_comfyui_or_skip()
     patcher = make_tiny_h3(CONFIG, seed=0)
+    missing = preferred_attention_missing(patcher)
+    if missing:
+        pytest.skip(missing)
     inputs = make_inputs(CONFIG, keyframe=True, audio_mask=True)
     basic = comfy.ldm.modules.attention.attention_basic  # differs from sub-quad in the bits
     default = run_like_sampler(patcher, inputs)
@@ -100,13 +141,13 @@ def test_the_checkpoints_preferred_attention_is_what_gets_sharded():
     assert calls.default == 0 and shard_of(patched).routes["split"] == CONFIG.blocks
 
 
-def test_lora_on_off_on_and_lowvram_lora_equal_unpatched():
-    patcher = make_tiny_h3(CONFIG, seed=0)
+@pytest.mark.parametrize("weights", MODELS)
+def test_lora_on_off_on_and_lowvram_lora_equal_unpatched(weights):
+    patcher = make_tiny_h3(MODELS[weights], seed=0)
     inputs = make_inputs(CONFIG, keyframe=True, audio_mask=True)
     lora_sd = make_lora_state_dict(patcher, rank=4, seed=3)
     lora = with_lora(patcher, lora_sd)
     base, on = run_like_sampler(patcher, inputs), run_like_sampler(lora, inputs)
-    lowvram_on = run_like_sampler(lora, inputs, lowvram_bytes=1)
     patched = dual(patcher)
     patched_lora = with_lora(patched, lora_sd)  # LoraLoader after the Dual-Sage node
     lora_patched = dual(lora)  # ... and before it
@@ -115,6 +156,10 @@ def test_lora_on_off_on_and_lowvram_lora_equal_unpatched():
     assert not same(base, on)
     assert same(runs[0], base) and same(runs[2], base) and same(runs[5], base)
     assert same(runs[1], on) and same(runs[3], on) and same(runs[4], on)
+    # lowvram runs last: ComfyUI 0.33.0 cannot load an INT8 model fully again after a lowvram
+    # load in inference mode ("Cannot set version_counter for inference tensor", raised in
+    # comfy.ops._quantized_apply, unpatched too)
+    lowvram_on = run_like_sampler(lora, inputs, lowvram_bytes=1)
     low = run_like_sampler(patched_lora, inputs, lowvram_bytes=1)
     assert lowvram_patched_modules(patched_lora) > 0 and same(low, lowvram_on)
     # the LoRA clone shares the Dual-Sage runtime: every run split its calls
@@ -197,27 +242,30 @@ def test_sage_node_and_dual_sage_compose_on_comfyui(order, counting_backend):
         patched = apply_backend_override(with_dual, "test_counting")
     out = run_like_sampler(patched, inputs)
     assert same(out, single)  # the Sage kernel on one GPU, bit for bit
-    assert counting_backend == [2, 1, 1] * CONFIG.blocks and shard.routes["split"] == CONFIG.blocks
+    assert counting_backend == [3, 3, 2] * CONFIG.blocks and shard.routes["split"] == CONFIG.blocks
     lines = patched.model_options["transformer_options"]["h3_multigpu"]
     assert "test_counting" in lines["dual_sage"] and "test_counting" in lines["attention"]
 
 
-def test_uneven_head_groups_of_chunking_share_one_workspace():
+def test_uneven_head_groups_of_chunking_share_one_workspace(monkeypatch):
     chunking = pytest.importorskip("h3_multigpu.chunking")
-    config = TinyH3Config(heads=7, adaln="full")
+    # the GPU's split-KV rule (enough query tiles per call) scaled to this ~50-row sequence
+    monkeypatch.setattr(chunking.sizing, "MIN_QUERY_TILES_PER_CALL", 1)
+    config = TinyH3Config(heads=13, adaln="full")
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config, audio_mask=True)
-    # explicit groups below chunking's exactness floor are honoured as given: 3 + 2 + 2 heads
-    chunk_config = chunking.ChunkingConfig(head_group=3, qkv_chunk=32, ffn_chunk=32)
+    chunk_config = chunking.ChunkingConfig(head_group=5, qkv_chunk=32, ffn_chunk=32)  # 5+4+4
     chunked = chunking.apply_activation_chunking(patcher, chunk_config)
     plain = run_like_sampler(chunked, inputs)
-    for patched in (dual(chunked, helpers=("cpu",)),
-                    chunking.apply_activation_chunking(dual(patcher, helpers=("cpu",)),
-                                                       chunk_config)):
+    for patched in (dual(chunked, helpers=("cpu",), split="0.4:0.6"),
+                    chunking.apply_activation_chunking(
+                        dual(patcher, helpers=("cpu",), split="0.4:0.6"), chunk_config)):
         assert same(run_like_sampler(patched, inputs), plain)
         shard = shard_of(patched)
-        # head groups of 3, 2 and 2 heads per block split 2:1, 1:1 and 1:1: the helper's share
-        # changes, and one allocation serves every block
+        # head groups of 5, 4 and 4 heads per block split 0.4:0.6 into 2:3, 2:2 and 2:2 (>= 2
+        # heads a subset, as two threads need): the helper's share changes, and one allocation
+        # serves every block
+        assert [shard.plan.counts_for(h) for h in (5, 4)] == [(2, 3), (2, 2)]
         assert shard.routes["split"] == 3 * config.blocks and shard.workspace_allocations == 1
 
 
@@ -275,8 +323,9 @@ def test_composed_with_chunking_and_prefetch_in_any_order(with_prefetch):
     offload = pytest.importorskip("h3_multigpu.offload")
     features = {
         "dual_sage": dual,
+        # rows of >= 16 per chunk (two threads: fp32 slices of <= 11 rows differ)
         "chunking": lambda p: chunking.apply_activation_chunking(
-            p, chunking.ChunkingConfig(ffn_chunk=16, qkv_chunk=16, head_group=3)),
+            p, chunking.ChunkingConfig(ffn_chunk=24, qkv_chunk=24)),
     }
     if with_prefetch:
         features["prefetch"] = lambda p: offload.apply_block_prefetch(
@@ -296,9 +345,8 @@ def test_composed_with_chunking_and_prefetch_in_any_order(with_prefetch):
                                                        patched_lora)]
         assert same(runs[0], base) and same(runs[2], base), order
         assert same(runs[1], on) and same(runs[3], on), order
-        # per block and run: chunking balances 3 + 1 heads into two groups of 2, and each is
-        # split over the devices (one helper gets no head of it); four runs
-        assert shard_of(patched).routes == {"split": 4 * 2 * CONFIG.blocks}, order
+        # per block and run: the 8-head call split 3:3:2 over the devices; four runs
+        assert shard_of(patched).routes == {"split": 4 * CONFIG.blocks}, order
 
 
 @pytest.mark.multi_gpu

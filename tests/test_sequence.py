@@ -2,10 +2,12 @@
 
 Streams and events are no-ops on the CPU and every copy is synchronous, so these tests check the
 data flow (rows, heads, chunks, segments, RoPE rows, the exchange in both transports, weights on
-helpers) bit for bit against the plain single-device forward. CPU BLAS may split a GEMM's rows
-over threads differently for different row counts, so every test here runs single-threaded
-(the exactness claim on GPUs, where the kernel does not depend on threads, is the `multi_gpu`
-tests' job).
+helpers) bit for bit against the plain single-device forward. They run with two threads, as
+ComfyUI does on a CPU: CPU BLAS then takes other paths for a few rows (fp32 slices of up to 11
+rows differed, measured), so every row share and chunk here keeps >= 16 rows, and a 1-head
+attention call differs from the whole call, so every device attends >= 2 heads per call
+(`dual_sage/exact_range.json` "cpu"; the split raises its chunks to that and refuses fewer).
+The exactness claim on GPUs is the `multi_gpu` tests' job.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def two_threads():
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(2)
     yield
     torch.set_num_threads(threads)
 
@@ -74,7 +76,7 @@ CASES = [  # devices, split, chunk heads, transport, twin heads, latent (t, h, w
     (3, "3:2:2", 1, "host", 8, (3, 6, 10), 4),
     (4, "auto", 1, "peer", 8, (5, 8, 10), 5),
     (7, "auto", 1, "host", 14, (5, 8, 10), 5),
-    (7, "2:3:2:2:4:2:2", 2, "peer", 14, (7, 8, 10), 5),
+    (7, "2:3:2:2:4:2:2", 2, "peer", 16, (7, 8, 10), 5),  # heads 2:3:2:2:3:2:2
 ]
 
 
@@ -108,6 +110,27 @@ def test_twin_output_is_bit_identical(monkeypatch, devices, split, chunk_heads, 
     links = mode.runner.links
     assert len(links) == devices * (devices - 1) and all(link.copies for link in links.values())
     assert {link.mode.value for link in links.values()} == {transport}
+
+
+def test_a_one_head_share_runs_single_threaded_only():
+    """With two threads a 1-head attention call can differ from the whole call on the CPU
+    (measured): a split that leaves a device one head is refused, the step runs on one device
+    and the status says why; single-threaded it runs split, bit-identical."""
+    cfg = TwinConfig.tiny(heads=2)
+    model = make_twin(cfg, seed=0)
+    inputs = make_inputs(cfg, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=1)
+    reference = TwinPatcher(model).apply_model(*inputs)
+    patched = on_cpu(TwinPatcher(model))
+    assert same(patched.apply_model(*inputs), reference)
+    mode = get_sequence_parallel(patched)
+    assert mode.steps == {"sequence": 0, "heads": 0, "off": 1, "fallback": 0}
+    status = patched.model_options["transformer_options"]["h3_multigpu"]["sequence"]
+    assert "a device attends 1 head(s)" in status and "needs >= 2 heads" in status
+    torch.set_num_threads(1)
+    reference = TwinPatcher(model).apply_model(*inputs)
+    patched = on_cpu(TwinPatcher(model))
+    assert same(patched.apply_model(*inputs), reference)
+    assert get_sequence_parallel(patched).steps["sequence"] == 1
 
 
 @torch.no_grad()
@@ -275,18 +298,20 @@ def test_foreign_patches_see_the_whole_residual_stream():
     assert mode.forward is None
 
 
-def test_activation_chunking_applies_per_share(monkeypatch, tiny_twin, tiny_inputs):
+def test_activation_chunking_applies_per_share(monkeypatch, tiny_config, tiny_twin):
     from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
 
-    config = ChunkingConfig(ffn_chunk=8, qkv_chunk=8)
-    reference = TwinPatcher(tiny_twin).apply_model(*tiny_inputs)
+    # S = 16 + 10 + 3*4*5 = 86: shares of 43 rows, chunks of 24 -> 22 + 21 (>= 16 rows each)
+    inputs = make_inputs(tiny_config, latent_t=3, latent_h=8, latent_w=10, audio_t=5, seed=1)
+    config = ChunkingConfig(ffn_chunk=24, qkv_chunk=24)
+    reference = TwinPatcher(tiny_twin).apply_model(*inputs)
     chunk_calls = Counter(monkeypatch, runner_module, "row_chunks",
                           lambda total, chunk, floor=None: (total, chunk))
     for patched in (on_cpu(apply_activation_chunking(TwinPatcher(tiny_twin), config)),
                     apply_activation_chunking(on_cpu(TwinPatcher(tiny_twin)), config)):
-        assert same(patched.apply_model(*tiny_inputs), reference)
-    # out_proj and the MLP ran 8 rows at a time on each 22-row share
-    assert (22, 8) in chunk_calls.calls
+        assert same(patched.apply_model(*inputs), reference)
+    # out_proj and the MLP ran 24 rows at a time on each 43-row share
+    assert (43, 24) in chunk_calls.calls
 
 
 @pytest.mark.parametrize("helper_weights", [REPLICA, STREAM])

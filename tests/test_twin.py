@@ -167,6 +167,25 @@ def test_audio_runs_on_its_own_schedule_and_cond_rows_near_clean():
     assert rows["cond"] == 3 * t_index[0.999]
 
 
+def test_sigma_math_follows_the_release(tiny_config):
+    """0.33.0 shifts the fp32 sigma tensor (t_a rounded in fp32), the newest files a float."""
+    layout = SequenceLayout(4, 2, 4, 6, 5)
+    sigma = torch.tensor(0.7, dtype=torch.float32)
+    t_float = plan_modulation(layout, float(sigma), (12.0, 3.0), {}, None, None).timesteps
+    t_fp32 = plan_modulation(layout, sigma, (12.0, 3.0), {}, None, None).timesteps
+    s32 = sigma.item()
+    assert max(t_float) == 1 - _shifted(s32, 12.0, 3.0)  # float64 arithmetic
+    base = sigma / (12.0 + sigma * (1 - 12.0))
+    assert max(t_fp32) == float(1 - 3.0 * base / (1 + 2.0 * base))  # fp32 arithmetic
+    assert torch.tensor(t_float).ne(torch.tensor(t_fp32)).any()  # one fp32 ulp apart here
+    x, t, c = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=1)
+    outs = [make_twin(TwinConfig.tiny(sigma_math=m, adaln_grid=None), seed=0)(x, t, c)
+            for m in ("float", "fp32")]
+    assert not torch.equal(outs[0][1], outs[1][1])  # the forward follows it
+    with pytest.raises(ValueError, match="sigma_math"):
+        TwinConfig.tiny(sigma_math="bf16")
+
+
 def test_audio_mask_gives_rows_their_own_timesteps(tiny_config, tiny_twin, tiny_inputs):
     x, t, c = tiny_inputs
     mask = torch.ones(1, 1, 2, 5)

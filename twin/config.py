@@ -24,6 +24,7 @@ AUDIO_COND_T = 1.0
 TAG_VIDEO, TAG_TEXT, TAG_AUDIO = 0, 1, 2
 # Position-grid scale of the area-normalised frame axes.
 FRAME_GRID_SCALE = 32.0
+SIGMA_MATH = ("float", "fp32")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,16 @@ class TwinConfig:
     sigma_shift_video: float = 12.0
     sigma_shift_audio: float = 3.0
     gate_compress: bool = False  # sparse-attention gate projection (unused by the dense forward)
+    # How the forward turns the sampler's sigma into the stream timesteps, as the upstream
+    # release it follows does: "float" (the newest files: Python floats, so t_a = 1 - shift(s)
+    # in float64) or "fp32" (ComfyUI 0.33.0: an fp32 tensor, t_a rounded in fp32; the two differ
+    # in the last bit of t_a, which moves every audio row of a full-AdaLN forward).
+    sigma_math: str = "float"
+
+    def __post_init__(self) -> None:
+        if self.sigma_math not in SIGMA_MATH:
+            raise ValueError(f"sigma_math={self.sigma_math!r}: use one of {SIGMA_MATH} "
+                             "('float' for the newest upstream files, 'fp32' for ComfyUI 0.33.0)")
 
     @property
     def inner(self) -> int:

@@ -169,7 +169,8 @@ class MiniMaxH3Twin(nn.Module):
         transformer_options["minimax_h3_layout"] = layout
 
         shifts = self._shifts(transformer_options)
-        sigma_v = float((timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6))
+        sigma_t = (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
+        sigma_v = float(sigma_t) if self.cfg.sigma_math == "float" else sigma_t
         plan = plan_modulation(layout, sigma_v, shifts, payload, denoise_mask,
                                audio_denoise_mask)
 

@@ -56,14 +56,19 @@ class ModulationPlan:
     audio_seg: tuple[int, int, Any]
 
 
-def stream_timesteps(sigma_v: float, shift_v: float, shift_a: float) -> tuple[float, float]:
-    return 1.0 - sigma_v, 1.0 - shift_sigma(sigma_v, shift_v, shift_a)
+def stream_timesteps(sigma_v: float | torch.Tensor, shift_v: float,
+                     shift_a: float) -> tuple[float, float]:
+    """(t_v, t_a). A float sigma is shifted in float64 (the newest upstream files); an fp32
+    tensor sigma in fp32, rounded there (ComfyUI 0.33.0: `TwinConfig.sigma_math`)."""
+    return float(1.0 - sigma_v), float(1.0 - shift_sigma(sigma_v, shift_v, shift_a))
 
 
-def plan_modulation(layout: SequenceLayout, sigma_v: float, shifts: tuple[float, float],
-                    payload: dict, denoise_mask: torch.Tensor | None,
+def plan_modulation(layout: SequenceLayout, sigma_v: float | torch.Tensor,
+                    shifts: tuple[float, float], payload: dict,
+                    denoise_mask: torch.Tensor | None,
                     audio_denoise_mask: torch.Tensor | None) -> ModulationPlan:
     t_v, t_a = stream_timesteps(sigma_v, *shifts)
+    sigma_v = float(sigma_v)  # the masked rows' arithmetic below is the newest files' (floats)
     visual_cond = max(t_v, float(payload.get("visual_cond_noise_aug", VISUAL_COND_T)))
     audio_cond = max(t_a, float(payload.get("audio_cond_noise_aug", AUDIO_COND_T)))
     kind_t = {"text": t_v, "video": t_v, "audio": t_a, "cond": visual_cond,
