@@ -113,6 +113,9 @@ def enable_dynamic_vram(vram_headroom_bytes: int = 0) -> ModuleType:
     in a process of its own). Raises ComfyUIUnavailable with the reason when DynamicVRAM cannot
     run here: no CUDA/ROCm GPU, comfy-aimdo missing or refusing, ComfyUI imported without it.
     """
+    memory = sys.modules.get("comfy.memory_management")
+    if memory is not None and getattr(memory, "aimdo_enabled", False):
+        return import_comfyui()  # already on in this process
     if not torch.cuda.is_available():
         raise ComfyUIUnavailable("DynamicVRAM needs a CUDA/ROCm GPU (comfy-aimdo)")
     try:

@@ -10,6 +10,19 @@ import torch
 from h3_multigpu.twin import TwinConfig, make_inputs, make_twin
 
 
+def pytest_configure(config):
+    """H3_DYNAMIC_VRAM=1: this whole session runs ComfyUI with DynamicVRAM (comfy-aimdo), as
+    its main.py switches it on by default on NVIDIA; it must happen before anything imports
+    ComfyUI. Without it the session runs ComfyUI's legacy loader."""
+    if os.environ.get("H3_DYNAMIC_VRAM") == "1" and os.environ.get("COMFYUI_PATH"):
+        from comfyui_h3 import ComfyUIUnavailable, enable_dynamic_vram
+
+        try:
+            enable_dynamic_vram()
+        except ComfyUIUnavailable as exc:
+            raise pytest.UsageError(f"H3_DYNAMIC_VRAM=1 but DynamicVRAM is off: {exc}") from exc
+
+
 def pytest_collection_modifyitems(config, items):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:

@@ -40,31 +40,13 @@ VAE_NAME = "minimax_h3_video_vae_fp16.safetensors"
 
 
 def _enable_dynamic_vram():
-    """What ComfyUI 0.33.0's main.py does at start (lines 58-70 and 262-290): comfy-aimdo's
-    init before model management is imported, then init_devices, then ModelPatcherDynamic as
-    the core patcher and `memory_management.aimdo_enabled`."""
-    import comfy_aimdo.control
+    """What ComfyUI 0.33.0's main.py does at start (the harness's enable_dynamic_vram)."""
+    from comfyui_h3 import ComfyUIUnavailable, enable_dynamic_vram
 
     try:
-        comfy_aimdo.control.init(simple_vram_headroom=None, nvml_pressure=True)
-    except TypeError:  # older comfy-aimdo protocols, as main.py tries them
-        try:
-            comfy_aimdo.control.init(simple_vram_headroom=None)
-        except TypeError:
-            comfy_aimdo.control.init()
-    import comfy.memory_management
-    import comfy.model_management as mm
-    import comfy.model_patcher
-
-    devices = mm.get_all_torch_devices()
-    try:
-        ready = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
-    except TypeError:
-        ready = comfy_aimdo.control.init_devices(d.index for d in devices)
-    if not ready:
-        pytest.fail("comfy-aimdo found no device it can manage: DynamicVRAM is off here")
-    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
-    comfy.memory_management.aimdo_enabled = True
+        enable_dynamic_vram()
+    except ComfyUIUnavailable as exc:
+        pytest.skip(f"DynamicVRAM is off in this session (run it with H3_DYNAMIC_VRAM=1): {exc}")
 
 
 @pytest.fixture(scope="module")
