@@ -91,8 +91,16 @@ def _check_format(fmt: str) -> None:
 
 
 def _meta_state_dict(module_factory) -> dict[str, torch.Tensor]:
-    with torch.device("meta"):
-        module = module_factory()
+    """The module's state dict as meta tensors. Built with DynamicVRAM's lazy layers off:
+    under comfy-aimdo ComfyUI's Linear creates no weight until a state dict is loaded."""
+    import comfy.memory_management as memory
+
+    lazy, memory.aimdo_enabled = memory.aimdo_enabled, False
+    try:
+        with torch.device("meta"):
+            module = module_factory()
+    finally:
+        memory.aimdo_enabled = lazy
     return dict(module.state_dict())
 
 
