@@ -100,18 +100,19 @@ def pack_model(patcher, args, chunking: bool):
     from h3_multigpu.nodes.devices import gpu_inventory
     from h3_multigpu.nodes.features import apply_feature, apply_plan
     from h3_multigpu.nodes.placement import placement_from_plan
-    from h3_multigpu.nodes.planning import make_plan
+    from h3_multigpu.nodes.planning import comfy_loader_inputs, make_plan
 
     devices = "auto" if torch.cuda.is_available() else "1x5090"
     plan = make_plan(pass2_width=args.width, pass2_height=args.height, pass1_width=args.width,
                      pass1_height=args.height, seconds=args.frames / 24.0, devices=devices,
-                     lora_rank=0)
+                     lora_rank=0, **comfy_loader_inputs(devices, patcher))
     placement = placement_from_plan(plan, gpu_inventory())
     lines: dict[str, str] = {}
     if placement.root is not None:
         patcher, lines["placement"] = place_model(patcher, placement.root)
     patcher, features = apply_plan(patcher, plan, placement)
     lines.update(features)
+    lines["plan"] = plan.report().splitlines()[:6]
     if chunking:
         from h3_multigpu.chunking import ChunkingConfig
 
@@ -230,6 +231,8 @@ def main(argv=None) -> int:
             res["bit_identical_to_first"] = all(torch.equal(a, b)
                                                 for a, b in zip(out, stock_out, strict=True))
         results[name] = res
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))  # so far
         del patcher, base, out
         unload_all()
         gc.collect()
