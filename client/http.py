@@ -43,6 +43,7 @@ from .connection import (
 )
 from .download import DEFAULT_MAX_DOWNLOAD_BYTES, exclusive_file, safe_file_name
 from .errors import DownloadError, PromptRejected, ServerProtocolError, ServerUnavailable
+from .schema_check import object_info_problem
 
 EventSink = Callable[[dict], None]
 REQUEST_KEY = "h3_multigpu_prompt_id"  # our prompt_id inside extra_data, found in /queue
@@ -178,15 +179,12 @@ class ComfyClient:
     def object_info(self) -> dict:
         """Every node class the server has, checked for the shapes the graph checks read."""
         info = self.get_json("/object_info")
-        for class_type, entry in info.items():
-            inputs = entry.get("input", {}) if isinstance(entry, dict) else None
-            sections = list(inputs.values()) if isinstance(inputs, dict) else [None]
-            if not (all(isinstance(section, dict) for section in sections)
-                    and isinstance(entry.get("output", []), list)
-                    and isinstance(entry.get("input_order", {}), dict)):
-                raise ServerProtocolError(
-                    f"GET /object_info at {self.base_url}: node class {class_type!r} is "
-                    f"described as {entry!r:.80}, not as ComfyUI describes node classes")
+        problem = object_info_problem(info)
+        if problem:
+            raise ServerProtocolError(
+                f"GET /object_info at {self.base_url}: {problem}, not as ComfyUI describes node "
+                f"classes; is --server a ComfyUI server? (A custom node pack that describes its "
+                f"inputs oddly does this too: the server log names the pack)")
         return info
 
     def system_stats(self) -> dict:
