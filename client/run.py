@@ -197,10 +197,12 @@ class _Run:
                 self._follow()
             entry = self._wait_history()
         except PromptRejected as exc:
+            if not exc.response:  # not ComfyUI's node errors: the message says what came
+                raise
             raise PromptRejected(format_rejection(exc.response, self.prompt), exc.response
                                  ) from None
         except ServerUnavailable as exc:
-            if not posted:
+            if not posted or getattr(exc, "not_queued", False):
                 raise
             raise ServerUnavailable(
                 f"{exc}\nprompt {self.prompt_id} may still be queued or running there; once the "
@@ -216,7 +218,7 @@ class _Run:
             action = self._cancel("--timeout")
             raise RunTimeout(f"{exc}; prompt {self.prompt_id} was {action}") from None
         except ServerProtocolError as exc:
-            if not posted:
+            if not posted or getattr(exc, "not_queued", False):
                 raise
             action = self._cancel("a malformed answer")
             raise ServerProtocolError(f"{exc}\nprompt {self.prompt_id}: {action}") from None
