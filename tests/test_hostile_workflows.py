@@ -220,3 +220,20 @@ def test_seeded_fuzz_of_the_bundled_workflow_never_escapes_as_a_python_error(
     # both kinds of outcome happen: the fuzz reaches the checks and passes harmless edits
     assert outcomes["refused"] > count // 5 and outcomes["accepted"] > count // 10, outcomes
     assert time.monotonic() - start < 10
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag,fragment", [
+    ("seed=" + "7" * 5000, "input 'value' = '777777"),  # 4300+ digits: json.loads refuses
+    ("seed=" + "[" * 100_000, "input 'value' = '[[[["),  # nesting without end
+])
+def test_set_values_json_cannot_read_are_taken_as_text_and_refused_by_the_check(
+        tmp_path, capsys, flag, fragment):
+    path = write(tmp_path, API)
+    with FakeComfyServer(object_info=INFO) as fake:
+        assert cli_main(["submit", str(path), "--server", fake.url, "--check", "--set",
+                         flag]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: the workflow cannot be submitted" in err and fragment in err
+    assert "Traceback" not in err and "unexpected error" not in err and len(err) < 3000
