@@ -237,3 +237,36 @@ def test_set_values_json_cannot_read_are_taken_as_text_and_refused_by_the_check(
     err = capsys.readouterr().err
     assert f"{path}: the workflow cannot be submitted" in err and fragment in err
     assert "Traceback" not in err and "unexpected error" not in err and len(err) < 3000
+
+
+def _no_id(ui):
+    del ui["nodes"][2]["id"]
+
+
+def _short_link(ui):
+    del ui["links"][0][3:]
+
+
+def _meta_text(api):
+    api["2:7"]["_meta"] = "Text Encoder"
+
+
+def _inputs_list(api):
+    api["2:7"]["inputs"] = [["clip_name", "x"]]
+
+
+@pytest.mark.parametrize("base,edit,code,fragment", [
+    (UI, _no_id, 2, "nodes[2] 'Save Video': has no 'id'"),
+    (UI, _short_link, 2, "link #1: has 3 entries"),
+    (API, _meta_text, 0, "warning: node #2:7 (CLIPLoader): its '_meta' is text"),
+    (API, _inputs_list, 2, "node #2:7 (CLIPLoader): its 'inputs' is a list"),
+], ids=["ui-node-without-id", "link-of-3-entries", "api-meta-text", "api-inputs-list"])
+def test_the_issues_examples_exit_with_a_message_not_70(tmp_path, capsys, base, edit, code,
+                                                        fragment):
+    doc = copy.deepcopy(base)
+    edit(doc)
+    path = write(tmp_path, doc)
+    with FakeComfyServer(object_info=INFO) as fake:
+        assert cli_main(["submit", str(path), "--server", fake.url, "--check"]) == code
+    err = capsys.readouterr().err
+    assert fragment in err and "unexpected error" not in err
