@@ -206,3 +206,63 @@ def test_every_node_validate_inputs_answers_nasty_text_with_a_message(comfyui):
                     raw in answer for raw in RAW)), (schema.node_id, name, value, answer)
                 checked += 1
     assert checked > 100
+
+
+def test_the_official_full_size_int8_layout_passes_whole_in_a_moment(comfyui, tmp_path):
+    """No false refusal at full size: the header of the official INT8 ConvRot DiT (932
+    tensors, 50 blocks, 200 INT8 linears; names, dtypes and shapes from ComfyUI's class on
+    the meta device), written over a sparse 19.5 GB file so that nothing but the header and
+    the comfy_quant bytes takes disk space."""
+    import struct
+    import time
+
+    from h3_checkpoints import (
+        INT8_CONVROT_CONF,
+        OFFICIAL_INT8_DIT_TENSORS,
+        QUANTIZED_BLOCK_LINEARS,
+        DiTShape,
+        dit_layout,
+    )
+
+    from h3_multigpu.nodes.checkpoint_check import check_dit_file, h3_dit_layout
+    from h3_multigpu.nodes.model_check import comfy_formats
+
+    shape = DiTShape.full()
+    quantized = {f"blocks.{i}.{lin}" for i in range(shape.blocks) for lin in
+                 QUANTIZED_BLOCK_LINEARS}
+    conf = json.dumps(INT8_CONVROT_CONF).encode()
+    entries: list[tuple[str, str, list[int], bytes | None]] = []
+    for name, meta in sorted(dit_layout(shape).items()):
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module in quantized:
+            entries += [(name, "I8", list(meta.shape), None),
+                        (f"{module}.weight_scale", "F32", [meta.shape[0], 1], None),
+                        (f"{module}.comfy_quant", "U8", [len(conf)], conf)]
+        else:
+            entries.append((name, "F32" if meta.dtype == torch.float32 else "BF16",
+                            list(meta.shape), None))
+    sizes = {"I8": 1, "U8": 1, "BF16": 2, "F32": 4}
+    header, position, payload = {}, 0, []
+    for name, dtype, dims, data in entries:
+        count = 1
+        for d in dims:
+            count *= d
+        header[name] = {"dtype": dtype, "shape": dims,
+                        "data_offsets": [position, position + count * sizes[dtype]]}
+        if data is not None:
+            payload.append((position, data))
+        position += count * sizes[dtype]
+    raw = json.dumps(header).encode()
+    path = tmp_path / "minimax_h3_fl2va_pruned_int8_convrot.safetensors"
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        start = 8 + len(raw)
+        for offset, data in payload:
+            f.seek(start + offset)
+            f.write(data)
+        f.truncate(start + position)  # sparse: the weights take no disk space
+    assert len(header) == OFFICIAL_INT8_DIT_TENSORS and position > 19e9
+    began = time.monotonic()
+    checkpoint = check_dit_file(path, comfy_formats())
+    assert time.monotonic() - began < 5  # header and 200 small reads, never the weights
+    assert h3_dit_layout(checkpoint) == {"blocks": 50, "hidden": 5376, "heads": 56}
