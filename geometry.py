@@ -123,6 +123,10 @@ def snap_frames(seconds: float) -> int:
 
     5 -> 124, 10 -> 243, 12 -> 294, 15 -> 362.
     """
+    if isinstance(seconds, int) and not isinstance(seconds, bool):
+        # an int past a float's range (a 400-digit JSON number) would make isfinite() raise
+        # OverflowError; clamped, it is refused below as too long like any other
+        seconds = float(max(-10**300, min(seconds, 10**300)))
     if not isinstance(seconds, numbers.Real) or isinstance(seconds, bool) \
             or not math.isfinite(seconds):
         raise ValueError(f"duration must be a finite number of seconds, got {seconds!r}; use "

@@ -145,7 +145,7 @@ def _params(args: argparse.Namespace) -> dict:
             raise WorkflowError([], f"--set {item!r} is not NAME=VALUE")
         try:
             params[name.replace("-", "_")] = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or 4300+ digits, or endless nesting)
             params[name.replace("-", "_")] = text
     return params
 

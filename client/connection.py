@@ -157,9 +157,15 @@ class AnswerLost(Exception):
     """The request was sent, but no complete answer came back: the server may have acted."""
 
 
+_TAGS = re.compile(r"<(script|style)\b.*?</\1\s*>|<[^>]*>", re.IGNORECASE | re.DOTALL)
+BODY_CHARS = 200  # of an error page shown in a message
+
+
 class HTTPStatus(Exception):
-    def __init__(self, status: int, body: bytes = b""):
-        self.status, self.body = status, body
+    """An answer with a status that is not 2xx: its status, body and content type."""
+
+    def __init__(self, status: int, body: bytes = b"", content_type: str = ""):
+        self.status, self.body, self.content_type = status, body or b"", content_type or ""
         super().__init__(f"HTTP {status}")
 
     def json(self) -> Any:
@@ -167,6 +173,22 @@ class HTTPStatus(Exception):
             return json.loads(self.body or b"null")
         except (ValueError, RecursionError):
             return None
+
+    def text(self, limit: int = BODY_CHARS) -> str:
+        """The body as one line of text: an HTML page's words without its tags, trimmed."""
+        text = self.body[: 1 << 16].decode("utf-8", "replace")
+        if "html" in self.content_type.lower() or text.lstrip()[:1] == "<":
+            text = _TAGS.sub(" ", text)
+        text = " ".join(text.split())
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+
+    def said(self) -> str:
+        """' (text/html: "403 Forbidden nginx")' or '' for an empty body: for messages."""
+        text = self.text()
+        if not text:
+            return ""
+        kind = self.content_type.split(";")[0].strip() or "body"
+        return f" ({kind}: {text!r})"
 
 
 def describe(exc: BaseException) -> str:
@@ -199,7 +221,8 @@ class Transport:
                 raw = exc.read(1 << 16)
             except (OSError, http.client.HTTPException):
                 raw = b""
-            raise HTTPStatus(exc.code, raw) from None
+            raise HTTPStatus(exc.code, raw, exc.headers.get("Content-Type", "")
+                             if exc.headers is not None else "") from None
         except urllib.error.URLError as exc:  # raised while connecting or sending
             if isinstance(exc.reason, ssl.SSLError):
                 raise tls_error(self.server.base, exc.reason) from None

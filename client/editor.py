@@ -212,7 +212,8 @@ def widget_values_by_input(info: dict, stored: list | dict) -> dict[str, Any]:
     while index < len(layout) and position < len(stored):
         widget = layout[index]
         value = stored[position]
-        if widget.name == CONTROL_WIDGET and value not in CONTROL_VALUES:
+        if widget.name == CONTROL_WIDGET and not (isinstance(value, str)
+                                                  and value in CONTROL_VALUES):
             index += 1  # an older save without the control value
             continue
         position += 1

@@ -10,6 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SHOWN_CHARS = 80
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` for a message, cut to `limit` characters (a 3000-digit seed or a pasted
+    novel stays one readable line)."""
+    if isinstance(value, int) and value.bit_length() > 4000:  # repr() refuses 4300+ digits
+        return f"a number of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class ClientError(Exception):
     """Base class of every error the client raises on purpose."""
@@ -27,13 +38,26 @@ class Problem:
 
 
 class WorkflowError(ClientError, ValueError):
-    """The workflow file or a parameter cannot be used; lists every problem at once."""
+    """The workflow file or a parameter cannot be used; lists every problem at once.
 
-    def __init__(self, problems: list[Problem], headline: str = "the workflow cannot be submitted"):
+    `source`: the workflow file the problems are in; the message starts with it, as a
+    compiler's does, so a script that submits many files shows which one is wrong."""
+
+    def __init__(self, problems: list[Problem], headline: str = "the workflow cannot be submitted",
+                 source: str | None = None):
         self.problems = list(problems)
-        lines = [f"{headline} ({len(self.problems)} problem(s)):"]
+        self.headline = headline
+        self.source = source
+        head = headline if source is None else f"{source}: {headline}"
+        lines = [f"{head} ({len(self.problems)} problem(s)):" if self.problems else head]
         lines += [f"  - {p}" for p in self.problems]
         super().__init__("\n".join(lines))
+
+    def in_file(self, source: str | None) -> WorkflowError:
+        """The same problems, the message naming `source` (kept when already named)."""
+        if source is None or self.source is not None:
+            return self
+        return WorkflowError(self.problems, self.headline, source)
 
 
 class ServerUnavailable(ClientError):

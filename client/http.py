@@ -43,6 +43,7 @@ from .connection import (
 )
 from .download import DEFAULT_MAX_DOWNLOAD_BYTES, exclusive_file, safe_file_name
 from .errors import DownloadError, PromptRejected, ServerProtocolError, ServerUnavailable
+from .schema_check import object_info_problem
 
 EventSink = Callable[[dict], None]
 REQUEST_KEY = "h3_multigpu_prompt_id"  # our prompt_id inside extra_data, found in /queue
@@ -53,6 +54,13 @@ __all__ = ["ComfyClient", "Deadline", "EventSink", "exclusive_file"]
 
 class SkippedOutput(Exception):
     """An output that cannot be saved here (its name is not a file name)."""
+
+
+def where_on_server(ref: dict) -> str:
+    """'output folder, subfolder video': where ComfyUI keeps an output, in words."""
+    kind = ref.get("type") if isinstance(ref.get("type"), str) else "output"
+    sub = ref.get("subfolder")
+    return f"{kind} folder" + (f", subfolder {sub!r:.80}" if sub else "")
 
 
 class ComfyClient:
@@ -127,36 +135,48 @@ class ComfyClient:
 
     def _retrying(self, what: str, call: Callable[[], Any]) -> Any:
         """Run an idempotent `call`, retrying connection errors, lost answers and 5xx."""
-        last = ""
+        last = said = ""
         for attempt in range(self.retries + 1):
             try:
                 return call()
             except HTTPStatus as exc:
                 if exc.status < 500:
                     raise
-                last = f"HTTP {exc.status}"
+                last, said = f"HTTP {exc.status}", exc.said()
             except (NotSent, AnswerLost) as exc:
-                last = str(exc)
+                last, said = str(exc), ""
             if attempt == self.retries:
                 break
             self._backoff(what, attempt, last)
-        raise ServerUnavailable(f"{what} failed after {self.retries + 1} attempts ({last}); is "
-                                f"ComfyUI running at {self.base_url}? Start it or pass --server")
+        raise ServerUnavailable(f"{what} failed after {self.retries + 1} attempts ({last}{said}); "
+                                f"is ComfyUI running at {self.base_url}? Start it or pass --server")
 
     def _status_error(self, what: str, exc: HTTPStatus) -> Exception:
+        """A 4xx (or an unexpected status) as what it means for the user, with what the server
+        said (an error page's text, trimmed) and what to do."""
+        said, base = exc.said(), self.base_url
+        login = "put the login in --server as https://USER:PASSWORD@host:port"
         if exc.status == 401:
             if self.server.auth_header:
-                return ServerUnavailable(f"{what}: {self.base_url} refused the user and password "
-                                         f"given in --server (HTTP 401)")
-            return ServerUnavailable(f"{what}: {self.base_url} asks for a login (HTTP 401); put "
-                                     f"it in --server as https://USER:PASSWORD@host:port")
+                return ServerUnavailable(f"{what}: {base} refused the user and password given in "
+                                         f"--server (HTTP 401){said}")
+            return ServerUnavailable(f"{what}: {base} asks for a login (HTTP 401){said}; {login}")
         if exc.status == 403:
-            return ServerUnavailable(f"{what}: {self.base_url} refused access (HTTP 403)")
+            return ServerUnavailable(
+                f"{what}: {base} refused access (HTTP 403){said}. A login or a proxy in front of "
+                f"ComfyUI? If it wants a user and password, {login}; a proxy that lets only "
+                f"browsers (or only some paths, such as /ws) through must be told to let this "
+                f"client through")
         if exc.status == 404:
-            return ServerProtocolError(f"{what} is not found at {self.base_url} (HTTP 404); is "
+            return ServerProtocolError(f"{what} is not found at {base} (HTTP 404){said}; is "
                                        f"--server a ComfyUI server (with the path prefix of its "
                                        f"proxy, if any)?")
-        return ServerProtocolError(f"{what} at {self.base_url} answered HTTP {exc.status}")
+        hint = {405: "--server may name another service on that port, not ComfyUI",
+                413: "the request is larger than the server, or a proxy in front of it, takes: "
+                     "raise its limit (nginx: client_max_body_size)",
+                429: "the server or a proxy limits how often it may be asked: wait and run "
+                     "again"}.get(exc.status, "see the server's log (or its proxy's)")
+        return ServerProtocolError(f"{what} at {base} answered HTTP {exc.status}{said}; {hint}")
 
     def get_json(self, path: str, expect: type | tuple[type, ...] | None = dict) -> Any:
         what = f"GET {path}"
@@ -178,15 +198,12 @@ class ComfyClient:
     def object_info(self) -> dict:
         """Every node class the server has, checked for the shapes the graph checks read."""
         info = self.get_json("/object_info")
-        for class_type, entry in info.items():
-            inputs = entry.get("input", {}) if isinstance(entry, dict) else None
-            sections = list(inputs.values()) if isinstance(inputs, dict) else [None]
-            if not (all(isinstance(section, dict) for section in sections)
-                    and isinstance(entry.get("output", []), list)
-                    and isinstance(entry.get("input_order", {}), dict)):
-                raise ServerProtocolError(
-                    f"GET /object_info at {self.base_url}: node class {class_type!r} is "
-                    f"described as {entry!r:.80}, not as ComfyUI describes node classes")
+        problem = object_info_problem(info)
+        if problem:
+            raise ServerProtocolError(
+                f"GET /object_info at {self.base_url}: {problem}, not as ComfyUI describes node "
+                f"classes; is --server a ComfyUI server? (A custom node pack that describes its "
+                f"inputs oddly does this too: the server log names the pack)")
         return info
 
     def system_stats(self) -> dict:
@@ -261,25 +278,26 @@ class ComfyClient:
         what = "POST /prompt"
         body = {"prompt": prompt, "client_id": self.client_id, "prompt_id": prompt_id,
                 "extra_data": {**(extra_data or {}), REQUEST_KEY: prompt_id}}
-        last = ""
+        last = said = ""
         for attempt in range(self.retries + 1):
             try:
                 _, raw, headers = self._request("POST", "/prompt", body,
                                                 timeout=self.post_timeout_s)
             except NotSent as exc:  # it never reached the server: sending again is safe
-                last = str(exc)
+                last, said = str(exc), ""
             except AnswerLost as exc:
                 return self._await_queued(prompt_id, f"{what} got no answer ({exc})")
             except HTTPStatus as exc:
                 if exc.status == 400:
-                    answer = exc.json()
-                    raise PromptRejected(f"the server refused the prompt (HTTP {exc.status})",
-                                         answer if isinstance(answer, dict) else {}) from None
+                    raise self._rejection(exc) from None
                 if exc.status == 504:  # a gateway gave up waiting: ComfyUI may still queue it
                     return self._await_queued(prompt_id, f"{what} answered HTTP {exc.status}")
-                if exc.status < 500:
-                    raise self._status_error(what, exc) from None
-                last = f"HTTP {exc.status}"
+                if exc.status < 500:  # answered, and refused: nothing was queued
+                    error = self._status_error(what, exc)
+                    refused = type(error)(f"{error}; nothing was queued")
+                    refused.not_queued = True  # the caller has nothing to cancel
+                    raise refused from None
+                last, said = f"HTTP {exc.status}", exc.said()
                 # a 5xx may come after the prompt was queued: look before sending it again
                 found = self.find(prompt_id)
                 if found is not None:
@@ -289,8 +307,20 @@ class ComfyClient:
             if attempt == self.retries:
                 break
             self._backoff(what, attempt, last)
-        raise ServerUnavailable(f"{what} failed after {self.retries + 1} attempts ({last}); "
+        raise ServerUnavailable(f"{what} failed after {self.retries + 1} attempts ({last}{said}); "
                                 f"nothing was queued. Is ComfyUI running at {self.base_url}?")
+
+    def _rejection(self, exc: HTTPStatus) -> PromptRejected:
+        """A 400: ComfyUI's JSON of node errors, or an answer that is not (a proxy's page)."""
+        answer = exc.json()
+        if isinstance(answer, dict) and ("error" in answer or "node_errors" in answer):
+            return PromptRejected("the server refused the prompt (HTTP 400)", answer)
+        said = exc.said() or " with an empty body"
+        return PromptRejected(
+            f"the server refused the prompt: POST /prompt at {self.base_url} answered HTTP 400"
+            f"{said}, which is not ComfyUI's answer (a JSON list of node errors). A proxy in "
+            f"front of ComfyUI may have refused the request (too large, a login, a blocked "
+            f"path), or --server is not ComfyUI: see that server's log", {})
 
     def _checked_answer(self, raw: bytes, headers: Any, prompt_id: str) -> dict:
         answer = decode_json(raw, headers, "POST /prompt", self.base_url, dict)
@@ -351,10 +381,15 @@ class ComfyClient:
         def call():
             timeout = self.deadline.cap(self.timeout_s, "connecting the WebSocket")
             try:
+                # No Origin header: it is a browser's; ComfyUI answers 403 when it does not
+                # match the Host (a proxy or tunnel that rewrites Host), and a script is no
+                # cross-site page
                 ws = websocket.create_connection(self.ws_url(), timeout=timeout, header=header,
-                                                 sslopt=sslopt)
+                                                 sslopt=sslopt, suppress_origin=True)
             except websocket.WebSocketBadStatusException as exc:
-                raise HTTPStatus(exc.status_code, b"") from None
+                headers = exc.resp_headers or {}
+                raise HTTPStatus(exc.status_code, exc.resp_body or b"",
+                                 headers.get("content-type", "")) from None
             except ssl.SSLError as exc:
                 raise tls_error(self.base_url, exc) from None
             except (websocket.WebSocketException, OSError) as exc:
@@ -387,7 +422,8 @@ class ComfyClient:
         """
         name, why = safe_file_name(ref.get("filename"))
         if name is None:
-            raise SkippedOutput(why)
+            raise SkippedOutput(f"{why}; it stays on the server: {self.view_url(ref)} (in its "
+                                f"{where_on_server(ref)})")
         last = ""
         for attempt in range(self.retries + 1):
             try:
@@ -395,7 +431,8 @@ class ComfyClient:
             except HTTPStatus as exc:
                 if exc.status < 500:
                     raise DownloadError(f"{self.view_url(ref)} answered HTTP {exc.status}"
-                                        ) from None
+                                        f"{exc.said()}; the file is still on the server (in "
+                                        f"its {where_on_server(ref)})") from None
                 last = f"HTTP {exc.status}"
             except (NotSent, AnswerLost) as exc:
                 last = str(exc)
@@ -414,6 +451,12 @@ class ComfyClient:
                 expected = int(response.headers.get("Content-Length"))
             except (TypeError, ValueError):
                 expected = None
+            if response.headers.get_content_type() == "text/html" and not name.lower().endswith(
+                    (".html", ".htm")):
+                page = HTTPStatus(response.status, response.read(1 << 16), "text/html")
+                raise DownloadError(f"{self.view_url(ref)} answered an HTML page{page.said()} "
+                                    f"instead of {name}: a login or a proxy's error page? The "
+                                    f"file is still on the server (in its {where_on_server(ref)})")
             if expected is not None and expected > limit:
                 raise DownloadError(f"{name} is {expected:,} bytes, over the download limit of "
                                     f"{limit:,} (raise it with --max-download); it is still on "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..geometry import snap_frames, validate_canvas
-from .errors import Problem, WorkflowError
+from .errors import Problem, WorkflowError, shown
 from .validate import is_h3_class
 from .workflow import ApiPrompt, describe_node, node_title
 
@@ -61,9 +61,10 @@ PASSES = ("pass1", "pass2")
 
 def parse_size(text: str) -> tuple[int, int]:
     """'864x480' -> (864, 480), checked against H3's canvas rule."""
-    parts = text.lower().replace("*", "x").split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"size {text!r} is not WIDTHxHEIGHT; use e.g. 864x480 or 1312x736")
+    parts = [p.strip() for p in text.lower().replace("*", "x").split("x")]
+    # ASCII digits only: isdigit() alone passes '²', which int() refuses with a raw message
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 9 for p in parts):
+        raise ValueError(f"size {text!r:.60} is not WIDTHxHEIGHT; use e.g. 864x480 or 1312x736")
     return validate_canvas(int(parts[0]), int(parts[1]))
 
 
@@ -129,13 +130,17 @@ def expand_params(params: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]
     return values, problems
 
 
+def _is_link(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2
+
+
 def _bypass(prompt: ApiPrompt, node_id: str, input_name: str) -> None:
     """Remove `node_id`, wiring whoever read its output 0 to its `input_name` source."""
     source = prompt[node_id]["inputs"][input_name]
     del prompt[node_id]
     for node in prompt.values():
         for name, value in node["inputs"].items():
-            if isinstance(value, list) and str(value[0]) == node_id and value[1] == 0:
+            if _is_link(value) and str(value[0]) == node_id and value[1] == 0:
                 node["inputs"][name] = list(source)
 
 
@@ -172,7 +177,11 @@ def apply_params(
             inputs = patched[node_id]["inputs"]
             input_name = next((n for n in target.inputs if n in inputs), None)
             if input_name is None and target.bypass_input in inputs and isinstance(value, bool):
-                if value:
+                if not value and not _is_link(inputs[target.bypass_input]):
+                    problems.append(Problem(where, f"cannot be bypassed: its input "
+                                            f"'{target.bypass_input}' is not linked to a node "
+                                            f"whose output could take its place"))
+                elif value:
                     changes.append(f"{describe_node(prompt, node_id)} kept")
                 else:
                     _bypass(patched, node_id, target.bypass_input)
@@ -192,7 +201,7 @@ def apply_params(
                                         f"on that node (title it and use --map)"))
                 continue
             inputs[input_name] = value
-            changes.append(f"{describe_node(prompt, node_id)}.{input_name} = {value!r}")
+            changes.append(f"{describe_node(prompt, node_id)}.{input_name} = {shown(value)}")
     if problems:
         raise WorkflowError(problems, "the parameters cannot be applied")
     return patched, changes

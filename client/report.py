@@ -10,6 +10,7 @@ from typing import Any, TextIO
 from .workflow import ApiPrompt, describe_node
 
 MAX_VALUE_CHARS = 120
+MAX_MESSAGE_CHARS = 2000
 
 
 def _short(value: Any) -> str:
@@ -31,7 +32,7 @@ def format_rejection(answer: dict, prompt: ApiPrompt,
         head = str(error.get("message") or error.get("type") or "prompt rejected")
         details = error.get("details")
         if details and not node_errors:
-            head += f": {details}"
+            head += f": {str(details)[:MAX_MESSAGE_CHARS]}"
     else:
         head = str(error)
     lines = [f"{headline}: {head}"]
@@ -54,10 +55,12 @@ def format_rejection(answer: dict, prompt: ApiPrompt,
 def format_execution_error(data: dict, prompt: ApiPrompt) -> str:
     """An `execution_error`: node id and title, exception, the node's inputs, traceback tail."""
     node_id = str(data.get("node_id"))
+    message = str(data.get("exception_message", "")).strip()
+    if len(message) > MAX_MESSAGE_CHARS:  # a node that put a whole tensor in its message
+        message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message):,} characters)"
     lines = [
         f"{describe_node(prompt, node_id)} failed: "
-        f"{data.get('exception_type', 'Exception')}: "
-        f"{str(data.get('exception_message', '')).strip()}"
+        f"{str(data.get('exception_type', 'Exception'))[:MAX_VALUE_CHARS]}: {message}"
     ]
     inputs = (prompt.get(node_id) or {}).get("inputs") or {}
     values = {k: v for k, v in inputs.items() if not isinstance(v, list)}

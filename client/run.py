@@ -27,6 +27,7 @@ from typing import Any
 
 import websocket
 
+from . import shape
 from .errors import (
     ClientError,
     DownloadError,
@@ -47,7 +48,6 @@ from .workflow import (
     ApiPrompt,
     describe_node,
     is_api_format,
-    is_ui_format,
     load_workflow,
     node_title,
     ui_to_api,
@@ -63,18 +63,43 @@ def prepare(
     targets: dict[str, Target] | None = None,
     emit: EventSink = lambda event: None,
 ) -> ApiPrompt:
-    """Workflow (API or UI) -> patched, checked API prompt; raise listing every problem."""
-    data = load_workflow(workflow)
-    if is_ui_format(data):
+    """Workflow (API or UI) -> patched, checked API prompt; raise listing every problem.
+
+    Every WorkflowError names the workflow file (when it is one) before its problems."""
+    source = None if isinstance(workflow, dict) else str(workflow)
+    try:
+        return _prepare(load_workflow(workflow), object_info, params, targets, emit)
+    except WorkflowError as exc:
+        raise exc.in_file(source) from None
+
+
+def _read_graph(data: dict, object_info: dict, emit: EventSink) -> ApiPrompt:
+    """The API graph of a loaded file: UI converted, API taken, either checked for its shape."""
+    if "nodes" in data and not is_api_format(data):  # editor format (maybe broken)
+        problems = shape.check_ui(data)
+        if problems:
+            raise WorkflowError(problems, shape.UI_HEADLINE)
         prompt = ui_to_api(data, object_info)
         emit({"event": "converted", "nodes": len(prompt)})
-    elif is_api_format(data):
-        prompt = data
-    else:
-        raise WorkflowError([], "the file is neither an API workflow ({id: {class_type, inputs}}) "
-                            "nor an editor workflow (nodes, links)")
+        if not prompt:
+            raise WorkflowError([], "the editor workflow has no node that reaches the server "
+                                    "(only notes, or every node muted or bypassed)")
+        return prompt
+    if not any(isinstance(node, dict) and "class_type" in node for node in data.values()):
+        keys = ", ".join(repr(k) for k in list(data)[:5]) or "none"
+        raise WorkflowError([], f"the file is neither an API workflow ({{id: {{class_type, "
+                                f"inputs}}}}) nor an editor workflow (nodes, links); its keys: "
+                                f"{keys}")
+    return data
+
+
+def _prepare(data: dict, object_info: dict, params: dict[str, Any] | None,
+             targets: dict[str, Target] | None, emit: EventSink) -> ApiPrompt:
+    prompt = _read_graph(data, object_info, emit)
+    problems, notes = shape.check_api(prompt)
+    if problems:
+        raise WorkflowError(problems, shape.API_HEADLINE)
     targets = {**DEFAULT_TARGETS, **(targets or {})}
-    problems = []
     try:
         prompt, changes = apply_params(prompt, params or {}, targets)
         for change in changes:
@@ -86,7 +111,7 @@ def prepare(
     problems += review.problems
     if problems:
         raise WorkflowError(problems)
-    for note in review.notes:
+    for note in notes + review.notes:
         emit({"event": "warning", "message": str(note)})
     emit({"event": "validated", "nodes": len(prompt)})
     return prompt
@@ -172,10 +197,12 @@ class _Run:
                 self._follow()
             entry = self._wait_history()
         except PromptRejected as exc:
+            if not exc.response:  # not ComfyUI's node errors: the message says what came
+                raise
             raise PromptRejected(format_rejection(exc.response, self.prompt), exc.response
                                  ) from None
         except ServerUnavailable as exc:
-            if not posted:
+            if not posted or getattr(exc, "not_queued", False):
                 raise
             raise ServerUnavailable(
                 f"{exc}\nprompt {self.prompt_id} may still be queued or running there; once the "
@@ -191,7 +218,7 @@ class _Run:
             action = self._cancel("--timeout")
             raise RunTimeout(f"{exc}; prompt {self.prompt_id} was {action}") from None
         except ServerProtocolError as exc:
-            if not posted:
+            if not posted or getattr(exc, "not_queued", False):
                 raise
             action = self._cancel("a malformed answer")
             raise ServerProtocolError(f"{exc}\nprompt {self.prompt_id}: {action}") from None

@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 from .editor import DYNAMIC_COMBO
+from .errors import shown
 from .workflow import combo_options
 
 ANY_TYPE = "*"
@@ -60,9 +61,15 @@ def check_literal(kind: Any, opts: dict, value: Any, self_checked: bool = False
     and option checks (the node checks it when the prompt is queued)."""
     converted, error = convert(kind, value)
     if error:
-        return f"= {value!r} {error}; give {_an(kind)}", None
+        return f"= {shown(value)} {error}; give {_an(kind)}", None
     if self_checked:
         return None, None
+    if kind == "FLOAT" and isinstance(converted, float) and not math.isfinite(converted):
+        # Stricter than the server on purpose: NaN passes its range check (every comparison
+        # is false) and inf passes an open one; the node would compute garbage after the
+        # models have loaded.
+        default = "" if opts.get("default") is None else f" (its default is {opts['default']})"
+        return f"= {shown(value)} is not a finite number; give a number{default}", None
     low, high = opts.get("min"), opts.get("max")
     allowed = f"allowed: {'-inf' if low is None else low} to {'inf' if high is None else high}"
     for bound, below, word in ((low, True, "below the minimum"),
@@ -72,19 +79,19 @@ def check_literal(kind: Any, opts: dict, value: Any, self_checked: bool = False
         try:
             outside = converted < bound if below else converted > bound
         except TypeError:  # the server's comparison raises too, and it refuses the prompt
-            return f"= {value!r} cannot be compared with the {word.split()[-1]} {bound}", None
+            return f"= {shown(value)} cannot be compared with the {word.split()[-1]} {bound}", None
         if outside:
-            return f"= {value!r} is {word} {bound} ({allowed})", None
+            return f"= {shown(value)} is {word} {bound} ({allowed})", None
     if isinstance(kind, list) or kind == "COMBO":
         options = combo_options(kind, opts) or []
         picked = converted if isinstance(converted, list) and opts.get("multiselect") else [
             converted]
         if any(not _offered(v, options) for v in picked):
-            return f"= {value!r} is not offered by the server", None
+            return f"= {shown(value)} is not offered by the server", None
     elif kind == DYNAMIC_COMBO and not _offered(converted, combo_options(kind, opts) or []):
         # Stricter than the server on purpose: it queues such a key, and the node fails when
         # it runs (after every model before it has loaded).
-        return (f"= {value!r} is not offered by the server (it would queue it and fail when "
+        return (f"= {shown(value)} is not offered by the server (it would queue it and fail when "
                 f"the node runs)"), None
     return None, _lossy(kind, value, converted)
 
@@ -105,11 +112,11 @@ def _lossy(kind: Any, value: Any, converted: Any) -> str | None:
     value = unwrap(value)
     if kind == "INT" and isinstance(value, float) and math.isfinite(value) \
             and not value.is_integer():
-        return f"= {value!r}: the server truncates it to {converted}"
+        return f"= {shown(value)}: the server truncates it to {converted}"
     if kind == "BOOLEAN" and not isinstance(value, bool):
-        return f"= {value!r}: the server reads it as {converted} (any non-empty value is true)"
+        return f"= {shown(value)}: the server reads it as {converted} (any non-empty value is true)"
     if kind in ("INT", "FLOAT") and isinstance(value, str):
-        return f"= {value!r}: the server reads the text as {converted!r}"
+        return f"= {shown(value)}: the server reads the text as {converted!r}"
     return None
 
 

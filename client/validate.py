@@ -23,7 +23,7 @@ from ..geometry import validate_canvas, validate_frames
 from ..nodes import inputs as node_inputs
 from . import editor
 from . import server_rules as rules
-from .errors import Problem, WorkflowError
+from .errors import Problem, WorkflowError, shown
 from .workflow import ApiPrompt, combo_options, describe_node
 
 FRAME_INPUTS = ("length", "frames", "num_frames", "frame_count")
@@ -39,9 +39,9 @@ def _offered(options: list, value: Any) -> str:
     close = difflib.get_close_matches(str(value), [str(o) for o in options], n=3)
     if close:
         return f"did you mean {', '.join(repr(c) for c in close)}?"
-    shown = ", ".join(repr(o) for o in options[:8])
+    offered = ", ".join(repr(o) for o in options[:8])
     more = f" (+{len(options) - 8} more)" if len(options) > 8 else ""
-    return f"the server offers {shown}{more}" if options else "the server offers none"
+    return f"the server offers {offered}{more}" if options else "the server offers none"
 
 
 def _check_input(where: str, name: str, value: Any, kind: Any, opts: dict,
@@ -62,7 +62,8 @@ def _check_input(where: str, name: str, value: Any, kind: Any, opts: dict,
 def _check_link(prompt: ApiPrompt, object_info: dict, where: str, name: str, link: list,
                 kind: Any) -> list[Problem]:
     if len(link) != 2 or not isinstance(link[1], int):
-        return [Problem(where, f"input '{name}' = {link!r} is not a link [\"node_id\", slot]")]
+        return [Problem(where, f"input '{name}' = {shown(link)} is not a link "
+                        f"[\"node_id\", slot]")]
     source_id = str(link[0])
     source = prompt.get(source_id)
     if source is None:
@@ -72,13 +73,13 @@ def _check_link(prompt: ApiPrompt, object_info: dict, where: str, name: str, lin
     if outputs is None:
         return []
     if not 0 <= link[1] < len(outputs):
-        return [Problem(where, f"input '{name}' links to output {link[1]} of "
+        return [Problem(where, f"input '{name}' links to output {shown(link[1])} of "
                         f"{describe_node(prompt, source_id)}, which has {len(outputs)}")]
     if not rules.link_types_meet(outputs[link[1]], kind):
-        shown = "COMBO" if isinstance(kind, list) else kind
-        return [Problem(where, f"input '{name}' takes {shown} but is linked to output "
+        wanted = "COMBO" if isinstance(kind, list) else kind
+        return [Problem(where, f"input '{name}' takes {wanted} but is linked to output "
                         f"{link[1]} ({outputs[link[1]]}) of {describe_node(prompt, source_id)}; "
-                        f"connect an output of type {shown}")]
+                        f"connect an output of type {wanted}")]
     return []
 
 

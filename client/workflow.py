@@ -32,24 +32,73 @@ SUBGRAPH_INPUT_NODE = -10  # link origin inside a subgraph: one of the subgraph'
 SUBGRAPH_OUTPUT_NODE = -20  # link target inside a subgraph: one of its outputs
 
 
+MAX_WORKFLOW_BYTES = 256 << 20  # a big editor workflow is a few MB; a bound, not a guess
+FOREIGN_FILES = ((b"\x89PNG", "a PNG image: ComfyUI keeps the workflow inside the images it "
+                              "saves; drop it on the editor and export the workflow as JSON"),
+                 (b"PK\x03\x04", "a ZIP archive: unpack the workflow JSON from it"),
+                 (b"\x00\x00\x00", "binary data (a video?), not a workflow"))
+
+
 def load_workflow(source: str | Path | dict) -> dict:
-    """Read a workflow from a path or take a dict; raise WorkflowError naming the file."""
+    """Read a workflow from a path or take a dict; raise WorkflowError naming the file.
+
+    A UTF-8 byte order mark (Windows editors write one) is accepted; a file that is empty, not
+    UTF-8 text, not JSON, nested without end, or JSON that is not an object is refused with
+    what it is and what to do.
+    """
     if isinstance(source, dict):
         return source
     path = Path(source)
+    shown = str(path)
+
+    def refuse(message: str) -> WorkflowError:
+        return WorkflowError([], f"the workflow file {message}", shown)
+
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.is_dir():
+            raise refuse("is a folder; give the path of a workflow .json file")
+        if path.stat().st_size > MAX_WORKFLOW_BYTES:
+            raise refuse(f"is {path.stat().st_size:,} bytes, more than any workflow; is it a "
+                         f"model or a video?")
+        raw = path.read_bytes()
     except OSError as exc:
-        raise WorkflowError([Problem(str(path), f"cannot read the file: {exc.strerror}")]) from exc
+        raise refuse(f"cannot be read: {exc.strerror or exc}") from None
+    for magic, what in FOREIGN_FILES:
+        if raw.startswith(magic):
+            raise refuse(f"is {what}")
+    # UTF-8 with or without a byte order mark; UTF-16 with one (what PowerShell's Out-File
+    # and Notepad's "Unicode" write)
+    encoding = "utf-16" if raw.startswith((b"\xff\xfe", b"\xfe\xff")) else "utf-8-sig"
+    try:
+        text = raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        name = "UTF-16" if encoding == "utf-16" else "UTF-8"
+        raise refuse(f"is not {name} text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                     f"is it a workflow? Save it as UTF-8 JSON (ComfyUI's editor does)"
+                     ) from None
+    if not text.strip():
+        raise refuse("is empty; save the workflow from the editor again")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise WorkflowError(
-            [Problem(str(path), f"not valid JSON (line {exc.lineno}, column {exc.colno})")]
-        ) from exc
+        raise refuse(f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                     f"was it cut short or edited by hand? Save it from the editor again"
+                     ) from None
+    except RecursionError:
+        raise refuse("is nested deeper than any workflow (lists or objects inside each other "
+                     "without end)") from None
+    except ValueError:  # the one other refusal of json.loads: CPython's int digit limit
+        raise refuse("holds a number of more than 4300 digits; no workflow needs one that long"
+                     ) from None
     if not isinstance(data, dict):
-        raise WorkflowError([Problem(str(path), "expected a JSON object (a ComfyUI workflow)")])
+        raise refuse(f"holds a JSON {_json_kind(data)}, not an object; a ComfyUI workflow is "
+                     f"an object (editor format: nodes and links; API format: node ids)")
     return data
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "list", str: "string", bool: "boolean", type(None): "null", int: "number",
+            float: "number"}.get(type(value), type(value).__name__)
 
 
 def is_ui_format(workflow: dict) -> bool:
@@ -64,8 +113,9 @@ def is_api_format(workflow: dict) -> bool:
 
 def node_title(prompt: ApiPrompt, node_id: str) -> str:
     node = prompt.get(node_id, {})
-    meta = node.get("_meta") or {}
-    return str(meta.get("title") or node.get("class_type") or node_id)
+    meta = node.get("_meta")
+    title = meta.get("title") if isinstance(meta, dict) else None  # ComfyUI ignores _meta
+    return str(title or node.get("class_type") or node_id)
 
 
 def describe_node(prompt: ApiPrompt, node_id: str) -> str:
@@ -110,7 +160,7 @@ def api_sort_key(node_id: str) -> tuple:
     """Node ids in the order the converter and the bundled API files list them:
     "12" < "12:3" < "12:10" < "13" (ids that are not numbers go last, by name)."""
     parts = str(node_id).split(":")
-    if all(part.isdigit() for part in parts):
+    if all(part.isascii() and part.isdigit() for part in parts):  # not '²': int() refuses it
         return (0, *(int(part) for part in parts))
     return (1, str(node_id))
 
@@ -261,8 +311,8 @@ class _Converter:
             values = editor.widget_values_by_input(info, node.get("widgets_values"))
             for widget in editor.widgets(info, values):
                 if widget.input is not None:
-                    inputs[widget.input] = values.get(
-                        widget.input, editor.default_value(widget.kind, widget.options))
+                    inputs[widget.input] = _api_value(values.get(
+                        widget.input, editor.default_value(widget.kind, widget.options)))
         for slot in node.get("inputs") or []:
             if slot.get("link") is None:
                 continue
@@ -270,7 +320,7 @@ class _Converter:
             if target == "widget":
                 continue
             if isinstance(target, tuple):  # a promoted widget's value
-                inputs[slot["name"]] = target[1]
+                inputs[slot["name"]] = _api_value(target[1])
             elif target is None:
                 # Source muted or missing: the input stays unset (or keeps its widget value)
                 # and validation reports it if it was required.
@@ -305,6 +355,12 @@ def ui_to_api(ui: dict, object_info: dict) -> ApiPrompt:
             if isinstance(value, list) and len(value) == 2 and str(value[0]) not in prompt:
                 del node["inputs"][name]
     return dict(sorted(prompt.items(), key=lambda item: api_sort_key(item[0])))
+
+
+def _api_value(value: Any) -> Any:
+    """A widget value as the editor queues it: a list would read as a link, so the editor sends
+    it as `{"__value__": [...]}` (frontend 1.58 graphToPrompt)."""
+    return {"__value__": value} if isinstance(value, list) else value
 
 
 def _pass_through_link(node: dict, out_slot: int, kind: str) -> int | None:

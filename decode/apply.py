@@ -90,6 +90,11 @@ class MultiGPUDecodeConfig:
     @classmethod
     def from_strings(cls, helpers: str = "auto", shares: str = "auto",
                      make_room: bool = True) -> MultiGPUDecodeConfig:
+        for name, value, example in (("helpers", helpers, "'gpu:0'"),
+                                     ("shares", shares, "'1:0.7'")):
+            if not isinstance(value, str):
+                raise ValueError(f"decode {name} {value!r:.60} must be text such as {example} "
+                                 "or 'auto'")
         devices = parse_devices(helpers)
         count = None if devices is None else len(devices) + 1
         weights = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -101,20 +102,32 @@ class DualSageConfig:
                      backend: str = COMFYUI_FUNCTION, min_tokens: str | int = "auto",
                      transport: str = "auto", exact_only: bool = True) -> DualSageConfig:
         """What a node passes: helpers "auto"|"gpu:0,gpu:2", min_tokens "auto"|int."""
+        if not isinstance(helpers, str):
+            raise ValueError(f"helpers {helpers!r:.60} must be text such as 'gpu:0,gpu:2' or "
+                             "'auto'")
         devices = parse_devices(helpers)
+        refused = ValueError(f"min_tokens {min_tokens!r:.60} must be 'auto' or a whole number of "
+                             "tokens, e.g. 8192")
         if isinstance(min_tokens, str):
             text = min_tokens.strip().lower()
             if text in ("auto", ""):
                 tokens = None
-            elif text.isdigit():
+            elif text.isascii() and text.isdigit() and len(text) <= 15:  # not '²' nor 4300 digits
                 tokens = int(text)
             else:
-                raise ValueError(f"min_tokens {min_tokens!r} must be 'auto' or a whole number "
-                                 "of tokens, e.g. 8192")
+                raise refused
+        elif isinstance(min_tokens, bool) or not isinstance(min_tokens, (int, float)):
+            raise refused
+        elif isinstance(min_tokens, float) and not (math.isfinite(min_tokens)
+                                                    and min_tokens.is_integer()):
+            raise refused  # inf would be an OverflowError, nan a raw int() message
         else:
             tokens = int(min_tokens)
         # Parse the split now, for H3's heads and the named helpers (or as many devices as it
         # has entries), so a typo is refused when the node is validated, not when it runs.
+        if not isinstance(backend, str):
+            raise ValueError(f"attention backend {backend!r:.60} must be a name such as "
+                             f"{COMFYUI_FUNCTION!r}")
         if not isinstance(split, str):
             raise ValueError(f"head split {split!r} must be text such as '28:28' or 'auto'")
         if split.strip().lower() not in ("auto", ""):

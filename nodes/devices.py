@@ -12,9 +12,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .inputs import shown
+
 GiB = 1024**3
 
-_GPU_RE = re.compile(r"^\s*(?:gpu|cuda|hip)\s*:\s*(\d+)\s*$", re.IGNORECASE)
+# ASCII digits only (str.isdigit() and a Unicode \d also accept '²' and '١', which int() then
+# refuses or reads as another number), and few of them (int() refuses 4300 digits)
+_GPU_RE = re.compile(r"^\s*(?:(?:gpu|cuda|hip)\s*:\s*)?([0-9]{1,6})\s*$",
+                     re.IGNORECASE | re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -45,19 +50,17 @@ def parse_device(text: str) -> int | str:
     """'gpu:1' -> 1; 'cuda:1' -> 1 (same numbering); '1' -> 1; 'auto'/'default' -> 'auto';
     'cpu' -> 'cpu'. Anything else raises ValueError naming the accepted forms."""
     if not isinstance(text, str):
-        raise ValueError(f"a device must be a string such as 'gpu:0', got {text!r}")
+        raise ValueError(f"a device must be a string such as 'gpu:0', got {shown(text)}")
     lowered = text.strip().lower()
     if lowered in ("auto", "default", ""):
         return "auto"
     if lowered == "cpu":
         return "cpu"
-    if lowered.isdigit():
-        return int(lowered)
     match = _GPU_RE.match(lowered)
     if match:
         return int(match.group(1))
     raise ValueError(
-        f"device {text!r} is not understood; use 'auto', 'cpu' or ComfyUI's 'gpu:N' "
+        f"device {shown(text)} is not understood; use 'auto', 'cpu' or ComfyUI's 'gpu:N' "
         f"(gpu:0 is the first GPU torch lists)"
     )
 
@@ -71,10 +74,10 @@ def parse_device_list(text: str) -> list[int] | str:
     for part in parts:
         value = parse_device(part)
         if not isinstance(value, int):
-            raise ValueError(f"helper list {text!r}: {part.strip()!r} is not a GPU; "
+            raise ValueError(f"helper list {shown(text)}: {shown(part.strip())} is not a GPU; "
                              f"list GPUs as 'gpu:0,gpu:2' or write 'auto'")
         if value in indices:
-            raise ValueError(f"helper list {text!r} names gpu:{value} twice")
+            raise ValueError(f"helper list {shown(text)} names gpu:{value} twice")
         indices.append(value)
     return indices
 

@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 from ..guard.device import guard_diffusion_model
-from .inputs import parse_auto_int, parse_bytes
+from .inputs import parse_auto_int, parse_bytes, parse_int, shown
 from .placement import Placement
 from .status import feature_lines
 
@@ -46,12 +46,15 @@ def prefetch_config(*, resident_blocks: str, lookahead: str | int = 2,
                     pinned_budget: str = "auto"):
     (config_cls,) = _load("offload", "PrefetchConfig")
     return config_cls(resident_blocks=parse_auto_int(resident_blocks, "resident_blocks"),
-                      lookahead=int(lookahead),
+                      lookahead=parse_int(lookahead, "lookahead", minimum=1),
                       pinned_budget_bytes=parse_bytes(pinned_budget, "pinned_budget"))
 
 
 def sequence_config(*, parallel: str = "auto", helpers: str = "auto", split: str = "auto"):
     (config_cls,) = _load("sequence", "SequenceParallelConfig")
+    if not isinstance(helpers, str):
+        raise ValueError(f"helpers={shown(helpers)} must be text such as 'gpu:0,gpu:2' or "
+                         "'auto'")
     names = None if helpers.strip().lower() in ("", "auto") else tuple(
         p.strip() for p in helpers.split(",") if p.strip())
     return config_cls(parallel=parallel, helpers=names, split=split)

@@ -12,6 +12,27 @@ from .. import geometry
 
 AUTO = "auto"
 DURATION_CHOICES = (5, 10, 12, 15)  # seconds the model was trained around (124..362 frames)
+MAX_DIGITS = 15  # longer "numbers" are typos (and int() refuses 4300 digits)
+SHOWN_CHARS = 60
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` for a message, cut to `limit` characters: a pasted novel stays readable."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def whole_number(text: str) -> int | None:
+    """An optionally signed run of ASCII digits as an int, else None.
+
+    Not `str.isdigit()` + `int()`: isdigit accepts '²' (which int() refuses with a raw message)
+    and int() reads '١٢' and '1_0' as numbers nobody typed on purpose.
+    """
+    body = text.strip()
+    digits = body[1:] if body[:1] in "+-" else body
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= MAX_DIGITS):
+        return None
+    return int(body)
 
 
 def check_canvas(width: int, height: int, label: str) -> str | None:
@@ -62,7 +83,7 @@ def frames_for_latent(latent_t: int) -> int:
 def check_profile(devices: str, profiles: list[str]) -> str | None:
     if devices == AUTO or devices in profiles:
         return None
-    return (f"devices {devices!r} is not a known hardware profile; use 'auto' (this machine's "
+    return (f"devices {shown(devices)} is not a known hardware profile; use 'auto' (this machine's "
             f"GPUs) or one of {', '.join(profiles)}")
 
 
@@ -74,12 +95,24 @@ def parse_auto_int(text: str | int, name: str, minimum: int = 0) -> int | str:
         stripped = str(text).strip().lower()
         if stripped in (AUTO, ""):
             return AUTO
-        try:
-            value = int(stripped)
-        except ValueError:
-            raise ValueError(f"{name}={text!r} is not 'auto' or a whole number") from None
+        value = whole_number(stripped)
+        if value is None:
+            raise ValueError(f"{name}={shown(text)} is not 'auto' or a whole number")
     if value < minimum:
         raise ValueError(f"{name}={value} must be at least {minimum} (or 'auto')")
+    return value
+
+
+def parse_int(text: str | int, name: str, minimum: int = 0, example: int = 2) -> int:
+    """'3' or 3 -> 3 (>= minimum); anything else (a float, 'abc', '²') raises ValueError."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        value = whole_number(text) if isinstance(text, str) else None
+        if value is None:
+            raise ValueError(f"{name}={shown(text)} is not a whole number; give e.g. {example}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum} (e.g. {example})")
     return value
 
 
@@ -113,9 +146,9 @@ def parse_bytes(text: str | int, name: str) -> int | None:
         if unit not in _UNITS:
             value = -1.0
     if not value >= 0:  # also NaN
-        raise ValueError(f"{name}={text!r} is not 'auto' or a size such as '24GiB'")
+        raise ValueError(f"{name}={shown(text)} is not 'auto' or a size such as '24GiB'")
     if value * _UNITS[unit] > MAX_BYTES:  # also inf ('1e400')
-        raise ValueError(f"{name}={text!r} is more than any machine's memory (over 1 PiB); "
+        raise ValueError(f"{name}={shown(text)} is more than any machine's memory (over 1 PiB); "
                          f"give a size such as '24GiB' or 'auto'")
     return int(value * _UNITS[unit])
 
@@ -125,15 +158,14 @@ def parse_split(text: str) -> tuple[int, ...] | str:
     stripped = str(text).strip().lower()
     if stripped in (AUTO, ""):
         return AUTO
-    try:
-        parts = tuple(int(p) for p in stripped.replace(",", ":").split(":"))
-    except ValueError:
-        raise ValueError(f"split {text!r} is not 'auto' or heads per GPU like '28:28'") from None
+    parts = tuple(whole_number(p) for p in stripped.replace(",", ":").split(":"))
+    if None in parts:
+        raise ValueError(f"split {shown(text)} is not 'auto' or heads per GPU like '28:28'")
     if len(parts) < 2 or any(p <= 0 for p in parts):
-        raise ValueError(f"split {text!r} needs two or more positive head counts, root first "
+        raise ValueError(f"split {shown(text)} needs two or more positive head counts, root first "
                          f"(e.g. '28:28')")
     if sum(parts) != geometry.HEADS:
-        raise ValueError(f"split {text!r} gives {sum(parts)} heads; H3 has {geometry.HEADS} "
+        raise ValueError(f"split {shown(text)} gives {sum(parts)} heads; H3 has {geometry.HEADS} "
                          f"(e.g. '28:28' or '32:24')")
     return parts
 

@@ -13,6 +13,7 @@ from comfy_api.latest import io
 from .comfy_types import CATEGORY, LatentUpscaleModel, Plan, preview_text
 from .devices import gpu_inventory, parse_device
 from .features import apply_decode_plan, apply_plan
+from .model_check import check_h3_model
 from .placement import Placement, decide_placement, placement_from_plan
 from .planning import PlannerUnavailable, comfy_loader_inputs, make_plan
 from .status import FEATURES, comfyui_support_line, compose_status
@@ -51,6 +52,7 @@ def run_dropin(model, clip, vae, audio_vae, latent_upscale_model, plan, sizes: d
     """The drop-in's work, shared by the plain and the Advanced node."""
     from .comfy_placement import place_clip, place_model, place_upscaler, place_vae
 
+    check_h3_model(model)  # a foreign or mislabelled DiT is named before anything moves
     gpus = gpu_inventory()
     extra: list[str] = []
     if plan is None:

@@ -21,6 +21,7 @@ from comfy_api.latest import io
 
 from ..geometry import MAX_CANVAS_SIDE as SIZE_MAX
 from ..geometry import validate_canvas
+from .checkpoint_check import read_checkpoint
 from .comfy_types import CATEGORY, LatentUpscaleModel
 from .status import CORE_UPSCALE as CORE_UPSCALE_NODE
 
@@ -59,8 +60,13 @@ def load_upscaler_patcher(path: str, disable_dynamic: bool = False):
 
     from ..upscale import build_from_state_dict
 
+    if path.lower().endswith((".safetensors", ".sft")):
+        read_checkpoint(path, "latent upscaler")  # a truncated or foreign file, named first
     sd = comfy.utils.load_torch_file(path, safe_load=True)
-    net = build_from_state_dict(sd)
+    try:
+        net = build_from_state_dict(sd)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     device = mm.get_torch_device()
     # fp16 as published on a GPU that runs it; fp32 on the CPU (no half conv3d there).
     net = net.to(torch.float16 if mm.should_use_fp16(device) else torch.float32)

@@ -11,9 +11,11 @@ Every wait is bounded; `stop()` closes every socket, so a test can never hang on
 
 It can also be hostile (see `Scenario`): slow or lost /prompt answers, its own prompt ids,
 answers that are not JSON or not ComfyUI's shapes, 403 on cancel, stray WebSocket broadcasts,
-a /view that never answers or never ends, odd file names, HTTPS with a self-signed certificate
-(`tls=True`, tests/data/tls: a test-only key) and Basic auth (`auth=(user, password)`). It listens
-on 127.0.0.1 only and shuts itself down after `lifetime_s` even if a test forgets to.
+a /view that never answers or never ends or sends a login page, odd file names, a proxy's HTML
+400 or 413 on POST, a /ws refused with 403, an endless error message, HTTPS with a self-signed
+certificate (`tls=True`, tests/data/tls: a test-only key) and Basic auth (`auth=(user,
+password)`). It listens on 127.0.0.1 only and shuts itself down after `lifetime_s` even if a
+test forgets to.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 TLS_DIR = Path(__file__).parent / "data" / "tls"  # self-signed for 127.0.0.1: tests only
 TLS_CERT = TLS_DIR / "cert.pem"
 HANG_LIMIT_S = 30.0  # the longest any hostile handler stalls, stop() or not
+LOGIN_PAGE = (b"<!DOCTYPE html><html><head><title>Sign in</title><style>body{color:red}</style>"
+              b"</head><body><h1>Sign in to continue</h1><form>...</form></body></html>")
+PROXY_400 = (b"<html>\r\n<head><title>400 Request Header Or Cookie Too Large</title></head>\r\n"
+             b"<body>\r\n<center><h1>400 Bad Request</h1></center>\r\n<center>Request Header Or "
+             b"Cookie Too Large</center>\r\n<hr><center>nginx/1.24.0</center>\r\n</body>\r\n"
+             b"</html>\r\n")  # what nginx sends
 
 
 def _combo(options: list[str], **extra: Any) -> list:
@@ -140,9 +148,16 @@ class Scenario:
     ws_extra: list[str] = field(default_factory=list)  # raw frames sent to every socket when
     # a prompt is queued ("{prompt_id}" is replaced by its id)
     forbid_cancel: bool = False  # 403 on /interrupt and on POST /queue
-    view: str = "normal"  # "hang": never answers; "endless": streams without end
+    view: str = "normal"  # "hang": never answers; "endless": streams without end; "html": a
+    # login page with status 200 instead of the file
     file_names: list[Any] | None = None  # names SaveVideo reports, one output file each
     traceback_as_string: bool = False  # execution_error's traceback as one string
+    # -- hostile answers of issue 23 --------------------------------------------------------
+    post_replies: dict[str, tuple[int, str, bytes]] = field(default_factory=dict)  # POST
+    # path -> raw (status, content type, body), answered before anything is queued (a proxy's
+    # 400 / 413 page)
+    ws_reply: tuple[int, str, bytes] | None = None  # /ws refused with this raw answer (403)
+    error_message: str | None = None  # exception_message of error_node's execution_error
 
 
 class _WebSocket:
@@ -218,6 +233,7 @@ class FakeComfyServer:
         self.files: dict[tuple[str, str, str], bytes] = {}
         self.sockets: dict[str, _WebSocket] = {}
         self.ws_client_ids: list[str] = []  # clientId of every accepted WebSocket
+        self.ws_headers: list[dict[str, str]] = []  # handshake headers of every /ws request
         self.refuse_ws_until = 0.0
         self.interrupt_flag = False
         self.counter = 0
@@ -327,8 +343,9 @@ class FakeComfyServer:
             if node_id == sc.error_node:
                 add("execution_error", {
                     "prompt_id": prompt_id, "node_id": node_id, "node_type": node["class_type"],
-                    "executed": executed, "exception_message": "CUDA out of memory. Tried to "
-                    "allocate 4.18 GiB", "exception_type": "torch.OutOfMemoryError",
+                    "executed": executed, "exception_message": sc.error_message or "CUDA out "
+                    "of memory. Tried to allocate 4.18 GiB", "exception_type":
+                    "torch.OutOfMemoryError",
                     "traceback": ["Traceback (most recent call last):\n",
                                   '  File "execution.py", line 1, in execute\n']
                     if not sc.traceback_as_string else
@@ -506,6 +523,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _view_hostile(self, mode: str) -> None:
         fake = self.fake
+        if mode == "html":  # a proxy's login page in place of the file
+            return self.reply(200, body=LOGIN_PAGE, content_type="text/html; charset=utf-8")
         if mode == "hang":  # headers never come
             fake.stopping.wait(HANG_LIMIT_S)
             return self.drop()
@@ -597,6 +616,10 @@ class _Handler(BaseHTTPRequestHandler):
             body = {}
         if not self.authorized():
             return None
+        raw = self.fake.scenario.post_replies.get(self.path)
+        if raw is not None:
+            status, content_type, data = raw
+            return self.reply(status, body=data, content_type=content_type)
         if self.path == "/prompt":
             return self.fake.post_prompt(self, body)
         if self.path in ("/interrupt", "/queue") and self.fake.scenario.forbid_cancel:
@@ -611,8 +634,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _websocket(self, sid: str) -> None:
         fake = self.fake
+        fake.ws_headers.append(dict(self.headers.items()))
         if time.monotonic() < fake.refuse_ws_until:
             return self.reply(503, {"error": "restarting"})
+        if fake.scenario.ws_reply is not None:
+            status, content_type, data = fake.scenario.ws_reply
+            return self.reply(status, body=data, content_type=content_type)
         key = self.headers.get("Sec-WebSocket-Key", "")
         accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
         self.send_response(101, "Switching Protocols")

@@ -395,4 +395,5 @@ def test_object_info_with_malformed_classes_is_the_servers_fault(tmp_path, capsy
     scenario = Scenario(replies={"/object_info": (200, JSON, json.dumps(broken).encode())})
     with FakeComfyServer(scenario) as fake:
         assert cli(fake.url, tmp_path) == 4
-    assert "node class 'KSampler' is described as" in capsys.readouterr().err
+    assert "node class 'KSampler': its 'required' inputs are ['seed', 'steps'], not an object" \
+        in capsys.readouterr().err
