@@ -71,7 +71,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--text-tokens", type=int, default=256, help="prompt tokens (default 256)")
     p.add_argument("--steps", type=_steps, default=(8, 4), metavar="P1,P2",
                    help="sampling steps of PASS1 and PASS2, for the job's time (default 8,4: "
-                        "the bundled workflows with the turbo LoRA; 20,0 = one pass of 20)")
+                        "the bundled workflows with the turbo LoRA; 0,20 = one pass of 20 steps "
+                        "at the final canvas)")
     p.add_argument("--lora-rank", type=int, default=128,
                    help="rank of the on-activation turbo LoRA, 0 for none (default 128)")
     p.add_argument("--dit-dtype", choices=["int8", "bf16"], default="int8",

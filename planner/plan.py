@@ -163,8 +163,10 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
     parallel, step, single = _final_times(ctx, decision, layout)
     job = JobTime(pass1_steps=request.pass1_steps, pass1_step_s=step["pass1"],
                   pass2_steps=request.pass2_steps, pass2_step_s=step["pass2"],
+                  # the latent upscale runs between the passes (not in a one-pass job)
                   upscale_s=upscale_s(shapes["pass1"], shapes["pass2"],
-                                      profile.gpus[placement.components["latent_upscaler"]]),
+                                      profile.gpus[placement.components["latent_upscaler"]])
+                  if request.pass1_steps and request.pass2_steps else 0.0,
                   decode_s=decode.seconds)
     # 6. verdict and advice
     plan = Plan(request=request, profile=profile, sizes=sizes, pass1=shapes["pass1"],
@@ -210,6 +212,7 @@ def _final_times(ctx: DiTContext, decision: ModeDecision, layout: MemoryLayout
             why += f"; helper DiT: {memory.helper_weights}"
         passes[name] = replace(choice, reason=why, step_time_s=step[name],
                                speedup=single[name] / step[name],
+                               helper_weights=memory.helper_weights,
                                root_activation_bytes=memory.root_activation_bytes,
                                helper_activation_bytes=memory.helper_activation_bytes,
                                helper_weight_bytes=memory.helper_dit_bytes)

@@ -47,16 +47,20 @@ def _headline(plan: Plan) -> list[str]:
     job = plan.job_time
     word = verdict_word(plan)
     if plan.fits:
+        parts = ", ".join([_steps_words(plan), *(["upscale"] if job.upscale_s else []), "decode"])
         first = (f"{word}: the whole job ~{duration(job.total_s)} on {plan.profile.name} "
-                 f"({_steps_words(plan)}, upscale, decode)")
+                 f"({parts})")
     else:
-        first = (f"{word} on {plan.profile.name}: {plan.problems[0]}; as planned the job "
-                 f"would take ~{duration(job.total_s)}")
-    passes = [f"{LABELS[n]} {steps} x {plan.step_time_s[n]:.1f} s = "
+        g, phase = next((g, k) for g in plan.gpus for k, m in g.phases.items()
+                        if m.peak > g.usable_bytes)
+        first = (f"{word} on {plan.profile.name}: gpu:{g.index} {phase} needs "
+                 f"{g.phases[phase].peak / GiB:.1f} of {g.usable_bytes / GiB:.1f} GiB; the job "
+                 f"as planned ~{duration(job.total_s)}")
+    passes = [f"{LABELS[n]} {steps} x {_r(plan.step_time_s[n], 1):.1f} s = "
               f"{duration(steps * plan.step_time_s[n])}"
               for n, steps in (("pass1", job.pass1_steps), ("pass2", job.pass2_steps)) if steps]
-    second = (f"time: {', '.join(passes)}, upscale {duration(job.upscale_s)}, decode "
-              f"{duration(job.decode_s)}")
+    upscale = [f"upscale {duration(job.upscale_s)}"] if job.upscale_s else []
+    second = f"time: {', '.join([*passes, *upscale, f'decode {duration(job.decode_s)}'])}"
     r = plan.request
     third = (f"job: {plan.pass2.width}x{plan.pass2.height} (PASS1 {plan.pass1.width}x"
              f"{plan.pass1.height}), {plan.pass2.frames} frames = {plan.pass2.seconds:.1f} s, "
@@ -68,12 +72,13 @@ def _headline(plan: Plan) -> list[str]:
 def _gpu_line(plan: Plan, g) -> list[str]:
     state = ""
     if any(p.startswith(f"gpu:{g.index} ") for p in plan.problems):
-        state = " DOES NOT FIT"
+        state = ": DOES NOT FIT"
     elif any(t.startswith(f"gpu:{g.index} ") for t in plan.verdict.tight):
-        state = " tight"
+        state = ": tight"
+    spare = g.headroom_bytes
+    left = f"{spare / GiB:.1f} spare" if spare >= 0 else f"{-spare / GiB:.1f} over"
     return _wrap(f"gpu:{g.index} {g.role:<6} peak {g.peak_bytes / GiB:.1f} of "
-                 f"{g.usable_bytes / GiB:.1f} GiB ({g.peak_phase}), "
-                 f"{g.headroom_bytes / GiB:.1f} spare{state}  {g.name}")
+                 f"{g.usable_bytes / GiB:.1f} GiB ({g.peak_phase}), {left}{state}  {g.name}")
 
 
 def _dual_sage_words(plan: Plan) -> str:
@@ -95,7 +100,7 @@ def _decisions(plan: Plan) -> list[str]:
             tokens = (plan.pass1 if name == "pass1" else plan.pass2).tokens \
                 + plan.request.text_tokens
             lines.append(f"{LABELS[name]} ({tokens:,} tokens): {MODE_WORDS[p.mode]}, "
-                         f"{p.step_time_s:.1f} s/it "
+                         f"{_r(p.step_time_s, 1):.1f} s/it "
                          f"({p.speedup:.2f}x the root alone) -- {p.reason}")
     lines.append(f"attention: {plan.attention.describe()}")
     lines.append(f"DiT blocks: {pf.resident_blocks} resident, {pf.streamed_blocks} streamed"
@@ -229,7 +234,7 @@ def plan_to_dict(plan: Plan) -> dict:
             "row_weights": [_r(w, 3) for w in plan.parallel.row_weights],
             "head_split": list(plan.parallel.head_split),
             "passes": {n: {"mode": p.mode, "reason": p.reason, "speedup": _r(p.speedup, 3),
-                           "step_time_s": _r(p.step_time_s), "helper_weights": p.helper_weights,
+                           "step_time_s": _r(p.step_time_s, 1), "helper_weights": p.helper_weights,
                            "options_s": dict(p.options_s or {}),
                            "root_activation_bytes": p.root_activation_bytes,
                            "helper_activation_bytes": p.helper_activation_bytes,
@@ -242,8 +247,8 @@ def plan_to_dict(plan: Plan) -> dict:
             "single_gpu_seconds": _r(plan.decode.single_seconds),
             "peak_bytes": {str(k): v for k, v in plan.decode.peak_bytes.items()},
             "make_room": plan.decode.make_room, "reason": plan.decode.reason},
-        "step_time_s": {k: _r(v) for k, v in plan.step_time_s.items()},
-        "single_gpu_step_time_s": {k: _r(v) for k, v in plan.single_gpu_step_time_s.items()},
+        "step_time_s": {k: _r(v, 1) for k, v in plan.step_time_s.items()},
+        "single_gpu_step_time_s": {k: _r(v, 1) for k, v in plan.single_gpu_step_time_s.items()},
         "notes": list(plan.notes),
         "problems": list(plan.problems),
         "suggestions": list(plan.suggestions),
