@@ -115,11 +115,15 @@ def bench_int8_gemm(device: torch.device, rows: int, reps: int, linears) -> dict
 
 def _comfy_priority():
     """ComfyUI's SDPA backend priority (comfy/ops.py on CUDA: flash, cuDNN, efficient, math)."""
+    import inspect
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        return sdpa_kernel(order, set_priority=True)
+    return sdpa_kernel(order[:1])  # an older torch: flash only (ComfyUI's first choice)
 
 
 def attention_functions() -> dict[str, tuple[Callable | None, str]]:

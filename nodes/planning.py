@@ -78,11 +78,14 @@ def comfy_attention() -> str | None:
     rates for (split / sub-quadratic attention: CPU and old GPUs)."""
     import sys
 
-    # ComfyUI internal: comfy.ldm.modules.attention.optimized_attention, a module global set
-    # when the module is imported (0.33.0 and the newest files)
-    module = sys.modules.get("comfy.ldm.modules.attention")
-    function = getattr(module, "optimized_attention", None)
-    return COMFY_ATTENTION_KERNELS.get(getattr(function, "__name__", ""))
+    # ComfyUI internal: `optimized_attention`, a module global of comfy.ldm.modules.attention
+    # set at import by the flags, which H3's model module imports by name (so the H3 module's
+    # copy is what its blocks call); 0.33.0 and the newest files
+    for name in ("comfy.ldm.minimax.model", "comfy.ldm.modules.attention"):
+        function = getattr(sys.modules.get(name), "optimized_attention", None)
+        if function is not None:
+            return COMFY_ATTENTION_KERNELS.get(getattr(function, "__name__", ""))
+    return None
 
 
 def checkpoint_attention(patcher: Any) -> str | None:

@@ -285,7 +285,8 @@ def decide_modes(ctx: DiTContext) -> ModeDecision:
         single[name] = off
         if not ctx.helpers:
             chosen[name] = off
-            passes[name] = _pass_parallel(off, off, "one GPU", {"off": off.step.total_s})
+            passes[name] = _pass_parallel(choice=off, off=off, why="one GPU",
+                                          times={"off": off.step.total_s})
             continue
         options = {"off": off}
         heads_why = heads_available(ctx, tokens)
@@ -294,10 +295,11 @@ def decide_modes(ctx: DiTContext) -> ModeDecision:
         sequence = option(ctx, mode="sequence", tokens=tokens)
         if sequence.memory.refusal is None:
             options["sequence"] = sequence
-        mode, why = _choose(ctx.request.parallel, name, options, sequence, heads_why)
+        mode, why = _choose(requested=ctx.request.parallel, options=options, sequence=sequence,
+                            heads_why=heads_why)
         chosen[name] = options[mode]
         times = {m: o.step.total_s for m, o in options.items()}
-        passes[name] = _pass_parallel(options[mode], off, why, times)
+        passes[name] = _pass_parallel(choice=options[mode], off=off, why=why, times=times)
     heads = ctx.seq_heads if ctx.helpers else (geometry.HEADS,)
     transport = "none" if not ctx.helpers else ("peer" if ctx.profile.link.peer_access
                                                 else "host")
@@ -306,7 +308,7 @@ def decide_modes(ctx: DiTContext) -> ModeDecision:
     return ModeDecision(parallel=parallel, chosen=chosen, single=single)
 
 
-def _choose(requested: str, name: str, options: dict[str, ModeOption], sequence: ModeOption,
+def _choose(*, requested: str, options: dict[str, ModeOption], sequence: ModeOption,
             heads_why: str | None) -> tuple[str, str]:
     refusal = sequence.memory.refusal
     if requested == "off":
@@ -345,7 +347,7 @@ def _choose(requested: str, name: str, options: dict[str, ModeOption], sequence:
     return mode, why
 
 
-def _pass_parallel(choice: ModeOption, off: ModeOption, why: str,
+def _pass_parallel(*, choice: ModeOption, off: ModeOption, why: str,
                    times: dict[str, float]) -> PassParallel:
     m = choice.memory
     step = choice.step.total_s
