@@ -176,6 +176,18 @@ def _refuse(message: str, as_json: bool, usage: str | None = None, kind: str = "
     return EXIT_REFUSED
 
 
+def _stdout_closed_ok(run, args) -> int:
+    """A reader that stops early (`| head`) is not an error of the plan."""
+    try:
+        return run(args)
+    except BrokenPipeError:
+        import os
+
+        # Python flushes stdout again at exit: point it at devnull so that flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                        "UsageError")
     try:
         if args.command == "plan":
-            return _run_plan(args)
+            return _stdout_closed_ok(_run_plan, args)
         if args.command == "profiles":
             return _run_profiles(args)
         if args.command == "submit":

@@ -207,7 +207,9 @@ class JobTime:
 
 
 def duration(seconds: float) -> str:
-    """'48 s', '12.5 min', '1 h 32 min'."""
+    """'0.4 s', '48 s', '12.5 min', '1 h 32 min'."""
+    if seconds < 1:
+        return f"{seconds:.1f} s"
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 3600:
