@@ -34,11 +34,26 @@ def _size(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"size {text!r} must look like 1312x736") from exc
 
 
+def _steps(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return int(parts[0]), int(parts[1])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"steps {text!r} must be PASS1,PASS2 like 8,4 (0 skips a pass)") from exc
+
+
 def _add_plan_parser(sub) -> None:
+    from .planner.hardware import ATTENTION_KERNELS
+
     p = sub.add_parser("plan", help="plan device placement, memory and time for a two-pass job",
-                       description="Predict each GPU's memory peak and time per step for a "
-                                   "two-pass H3 job and choose placement, Dual-Sage, chunking "
-                                   "and streamed blocks. Needs no GPU with --profile.")
+                       description="Predict whether a two-pass H3 job fits, how long it takes, "
+                                   "each GPU's memory peak, and choose placement, the multi-GPU "
+                                   "mode per pass, chunking and streamed blocks. Needs no GPU "
+                                   "with --profile. Exit code 0: fits, 3: does not fit, 2: "
+                                   "refused (a wrong flag or value).")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--profile", default=None,
                        help="built-in hardware profile (see `h3-multigpu profiles`)")
@@ -54,25 +69,42 @@ def _add_plan_parser(sub) -> None:
     length.add_argument("--seconds", type=float, default=None, help="clip length (default 5)")
     length.add_argument("--frames", type=int, default=None, help="frames on the 17k+5 grid")
     p.add_argument("--text-tokens", type=int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--steps", type=_steps, default=(8, 4), metavar="P1,P2",
+                   help="sampling steps of PASS1 and PASS2, for the job's time (default 8,4: "
+                        "the bundled workflows with the turbo LoRA; 0,20 = one pass of 20 steps "
+                        "at the final canvas)")
     p.add_argument("--lora-rank", type=int, default=128,
                    help="rank of the on-activation turbo LoRA, 0 for none (default 128)")
-    p.add_argument("--dit-dtype", choices=["int8", "bf16"], default="int8")
+    p.add_argument("--dit-dtype", choices=["int8", "bf16"], default="int8",
+                   help="the DiT checkpoint's weights: int8 (the official pruned INT8 ConvRot "
+                        "file, INT8 GEMMs where the GPU has them) or bf16 (default int8)")
     p.add_argument("--dit-file", default=None,
-                   help="read the DiT's real sizes from this .safetensors header")
-    p.add_argument("--dual-sage", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("--chunking", choices=["auto", "on", "off"], default="auto")
+                   help="read the DiT's real sizes (and its preferred attention) from this "
+                        ".safetensors header")
+    p.add_argument("--attention", choices=["auto", *ATTENTION_KERNELS], default="auto",
+                   help="the attention ComfyUI runs: sdpa (its default), flash "
+                        "(--use-flash-attention), sage (--use-sage-attention), ck "
+                        "(--use-ck-attention); auto = sdpa, or what --dit-file prefers "
+                        "(inside ComfyUI the nodes read what it runs)")
+    p.add_argument("--quantized-attention", action="store_true",
+                   help="old name of --attention sage (an INT8-QK kernel)")
+    p.add_argument("--dual-sage", choices=["auto", "on", "off"], default="auto",
+                   help="Dual-Sage (attention heads sharded over the GPUs): auto = where it "
+                        "speeds up attention; on; off (default auto)")
+    p.add_argument("--chunking", choices=["auto", "on", "off"], default="auto",
+                   help="FFN/QKV row chunking of the DiT's activations: auto = when the peak "
+                        "of the mode that runs needs it; on (smallest chunks); off")
     p.add_argument("--parallel", choices=["auto", "sequence", "heads", "off"], default="auto",
-                   help="how the GPUs share a step, per pass: auto picks the fastest of "
-                        "sequence parallel, heads (Dual-Sage) and one GPU")
+                   help="how the GPUs share a step, per pass: auto picks the fastest mode that "
+                        "fits of sequence parallel, heads (Dual-Sage) and one GPU")
     p.add_argument("--resident-blocks", type=int, default=None,
-                   help="DiT blocks the pack's streamer keeps on the root GPU (legacy loader "
-                        "only; under DynamicVRAM ComfyUI decides)")
+                   help="DiT blocks (0-50) the pack's streamer keeps on the root GPU, the rest "
+                        "streamed (legacy loader only; under DynamicVRAM ComfyUI decides; "
+                        "default: as many as fit)")
     p.add_argument("--dynamic-vram", choices=["auto", "on", "off"], default="auto",
                    help="the loader ComfyUI runs with: auto = DynamicVRAM on NVIDIA and ROCm "
                         "7.14+ (ComfyUI's default), off = the legacy loader (ROCm below 7.14, "
                         "--disable-dynamic-vram, --highvram, --gpu-only, --novram)")
-    p.add_argument("--quantized-attention", action="store_true",
-                   help="time attention with an INT8-QK kernel (ck_int8 / triton_sage)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -93,8 +125,10 @@ def _run_plan(args) -> int:
                           dit_dtype=args.dit_dtype, dit_file=args.dit_file,
                           dual_sage=args.dual_sage, chunking=args.chunking,
                           parallel=args.parallel, resident_blocks=args.resident_blocks,
+                          attention=args.attention,
                           quantized_attention=args.quantized_attention,
-                          dynamic_vram=args.dynamic_vram)
+                          dynamic_vram=args.dynamic_vram, pass1_steps=args.steps[0],
+                          pass2_steps=args.steps[1])
     if detect:
         # no profile named: plan for the GPUs of this machine (a clear error when it has none)
         request = replace(request, profile=detect_hardware(measure_link=args.measure_link))
@@ -142,6 +176,18 @@ def _refuse(message: str, as_json: bool, usage: str | None = None, kind: str = "
     return EXIT_REFUSED
 
 
+def _stdout_closed_ok(run, args) -> int:
+    """A reader that stops early (`| head`) is not an error of the plan."""
+    try:
+        return run(args)
+    except BrokenPipeError:
+        import os
+
+        # Python flushes stdout again at exit: point it at devnull so that flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -153,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                        "UsageError")
     try:
         if args.command == "plan":
-            return _run_plan(args)
+            return _stdout_closed_ok(_run_plan, args)
         if args.command == "profiles":
             return _run_profiles(args)
         if args.command == "submit":

@@ -20,25 +20,31 @@ def profiles() -> list[str]:
 
 def make_plan(*, pass2_width: int, pass2_height: int, pass1_width: int, pass1_height: int,
               seconds: float, devices: str, lora_rank: int, parallel: str = "auto",
-              dynamic_vram: str = "auto", pinned_budget_bytes: int | None = None) -> Any:
+              dynamic_vram: str = "auto", pinned_budget_bytes: int | None = None,
+              attention: str = "auto") -> Any:
     """plan_job for the two-pass job; ValueError for bad input, PlannerUnavailable if absent.
-    `dynamic_vram` / `pinned_budget_bytes`: what this ComfyUI runs with (`comfy_loader_inputs`)."""
+    `dynamic_vram` / `pinned_budget_bytes` / `attention`: what this ComfyUI runs with
+    (`comfy_loader_inputs`); attention "auto" on this machine is what ComfyUI would run."""
     try:
         from ..planner import PlanRequest, plan_job
     except ImportError as exc:
         raise PlannerUnavailable(f"the planner is not importable ({exc})") from exc
+    if attention == "auto" and devices == "auto":
+        attention = comfy_attention() or "auto"
     request = PlanRequest(width=pass2_width, height=pass2_height, seconds=seconds,
                           pass1_width=pass1_width, pass1_height=pass1_height,
                           profile=devices, lora_rank=lora_rank, parallel=parallel,
-                          dynamic_vram=dynamic_vram, pinned_budget_bytes=pinned_budget_bytes)
+                          dynamic_vram=dynamic_vram, pinned_budget_bytes=pinned_budget_bytes,
+                          attention=attention)
     return plan_job(request)
 
 
 def comfy_loader_inputs(devices: str, patcher: Any = None) -> dict[str, Any]:
     """The loader and pin budget this ComfyUI runs with, as make_plan's keywords: DynamicVRAM
     from `patcher.is_dynamic()` (else ComfyUI's `aimdo_enabled`) and ComfyUI's
-    MAX_PINNED_MEMORY. Only for devices 'auto' (this machine): a profile name previews other
-    hardware, planned by that profile's defaults. Empty outside ComfyUI."""
+    MAX_PINNED_MEMORY; and `attention` when the patcher's checkpoint prefers a kernel. Only
+    for devices 'auto' (this machine): a profile name previews other hardware, planned by
+    that profile's defaults. Empty outside ComfyUI."""
     if devices != "auto":
         return {}
     from ..offload.comfy_memory import comfy_pin_budget, dynamic_vram_enabled, is_dynamic
@@ -50,4 +56,48 @@ def comfy_loader_inputs(devices: str, patcher: Any = None) -> dict[str, Any]:
     budget = comfy_pin_budget()
     if budget is not None:
         out["pinned_budget_bytes"] = max(budget.limit_bytes, 0)  # <= 0: ComfyUI pins nothing
+    preferred = checkpoint_attention(patcher) if patcher is not None else None
+    if preferred is not None:
+        out["attention"] = preferred
     return out
+
+
+# ComfyUI's attention functions (comfy/ldm/modules/attention.py: chosen at import by its flags,
+# --use-sage-attention, --use-flash-attention, --use-ck-attention, else attention_pytorch;
+# checked on 0.33.0 and the newest files) -> the planner's kernel names
+COMFY_ATTENTION_KERNELS = {
+    "attention_pytorch": "sdpa", "attention_flash": "flash", "attention_sage": "sage",
+    "attention3_sage": "sage", "attention_comfy_kitchen_int8": "ck",
+    "attention_xformers": "flash",  # xformers runs FlashAttention kernels on CUDA
+}
+
+
+def comfy_attention() -> str | None:
+    """The kernel ComfyUI's `optimized_attention` runs here, or None outside ComfyUI (its
+    attention module is read only once ComfyUI imported it) or for a kernel the planner has no
+    rates for (split / sub-quadratic attention: CPU and old GPUs)."""
+    import sys
+
+    # ComfyUI internal: `optimized_attention`, a module global of comfy.ldm.modules.attention
+    # set at import by the flags, which H3's model module imports by name (so the H3 module's
+    # copy is what its blocks call); 0.33.0 and the newest files
+    for name in ("comfy.ldm.minimax.model", "comfy.ldm.modules.attention"):
+        function = getattr(sys.modules.get(name), "optimized_attention", None)
+        if function is not None:
+            return COMFY_ATTENTION_KERNELS.get(getattr(function, "__name__", ""))
+    return None
+
+
+def checkpoint_attention(patcher: Any) -> str | None:
+    """The kernel the loaded checkpoint prefers, or None (the newest files only).
+
+    ComfyUI internal: each H3 attention module's `comfy_attention` (ComfyAttention, newest
+    comfy/ldm/modules/attention.py; absent in 0.33.0) holds `function` when the checkpoint's
+    attention config names a kernel available here (comfy_kitchen_int8)."""
+    model = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+    blocks = getattr(model, "blocks", None)
+    if not blocks:
+        return None
+    preferred = getattr(getattr(getattr(blocks[0], "attn", None), "comfy_attention", None),
+                        "function", None)
+    return COMFY_ATTENTION_KERNELS.get(getattr(preferred, "__name__", ""))

@@ -72,8 +72,10 @@ class H3MultiGPUPlan(io.ComfyNode):
             node_id="H3MultiGPUPlan",
             display_name="H3 Multi-GPU Plan",
             category=CATEGORY,
-            description="Plans the two-pass H3 job: which GPU runs what, the predicted memory "
-                        "peak of each GPU, and the Dual-Sage, chunking and prefetch settings.",
+            description="Plans the two-pass H3 job: whether it fits and how long the whole "
+                        "job takes (the report's first line), each GPU's memory peak, how the "
+                        "GPUs share each pass, chunking and streamed blocks, timed with the "
+                        "attention this ComfyUI runs.",
             inputs=size_inputs(),
             outputs=[Plan.Output(display_name="plan"),
                      io.String.Output(display_name="report")],

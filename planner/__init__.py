@@ -12,6 +12,7 @@ from .hardware import (
     detect_hardware,
     get_profile,
     list_profiles,
+    spec_for_name,
 )
 from .memory import BlockDims, ChunkSettings, block_activation_peak, choose_chunks
 from .plan import (
@@ -47,4 +48,5 @@ __all__ = [
     "list_profiles",
     "plan_job",
     "read_safetensors_tensor_bytes",
+    "spec_for_name",
 ]

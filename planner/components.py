@@ -148,3 +148,33 @@ def dit_sizes_from_file(path: str | Path, base: ComponentSizes = OFFICIAL) -> Co
 
 def file_bytes(path: str | Path) -> int:
     return sum(read_safetensors_tensor_bytes(path).values())
+
+
+# ComfyAttention (comfy/ldm/modules/attention.py, newest files; absent in 0.33.0) reads a
+# module's "<prefix>comfy_attention.config" tensor: JSON bytes whose "attention" names the
+# kernel the checkpoint prefers; ComfyUI runs it where the kernel is available.
+_CHECKPOINT_KERNELS = {"comfy_kitchen_int8": "ck"}
+_ATTENTION_CONFIG = "comfy_attention.config"
+
+
+def checkpoint_attention(path: str | Path) -> str | None:
+    """The attention kernel the DiT file's attention config prefers ("ck"), or None when its
+    header states none (or one the planner has no rates for)."""
+    path = Path(path)
+    read_safetensors_tensor_bytes(path)  # the same refusals for a bad file
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        keys = sorted(k for k in header if k.endswith(_ATTENTION_CONFIG))
+        if not keys:
+            return None
+        start, end = header[keys[0]]["data_offsets"]
+        if end - start > 1 << 20:  # a config is a few hundred bytes
+            return None
+        f.seek(8 + header_len + start)
+        raw = f.read(end - start)
+    try:
+        method = json.loads(raw.decode("utf-8")).get("attention")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return _CHECKPOINT_KERNELS.get(method)

@@ -1,10 +1,13 @@
-"""Device inventory: built-in hardware profiles and the real machine.
+"""Device inventory: the hardware data file (`profiles.json`) and the real machine.
 
-A profile is data: per GPU its memory and the throughputs the time model needs, and the link
-between the GPUs (peer access or not, bandwidths). Throughputs are *effective* rates for H3's
-shapes (dense bf16/fp16 GEMMs, SDPA at 128-wide heads), not datasheet peaks: the H200 numbers are
-our own measurements (`shared/reference/h200x2-anchors.json`); the consumer cards are scaled from
-their datasheet dense tensor rates by the same efficiency and are leads until measured.
+A profile is data: per GPU its memory and the rates the time model needs (bf16 and INT8 GEMMs at
+H3's block shapes, each attention kernel, memory bandwidth), and the link between the GPUs. Each
+number in `profiles.json` says where it comes from (measured here, a datasheet, a published run,
+or derived from those); `GPUSpec.sources` carries those words into the plan.
+
+A GPU of the real machine is matched to the data by its exact model name (or an alias listed in
+the data): "NVIDIA GeForce RTX 3060 Ti" is not an RTX 3060 and not a 5060 Ti. A card the data
+does not list gets stand-in rates, marked `known=False`, and the plan says so.
 
 No torch import at module level: `detect_hardware()` imports it lazily so the planner runs on a
 machine with no GPU and no torch.
@@ -12,34 +15,67 @@ machine with no GPU and no torch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 GiB = 1024**3
 GB = 1000**3
+DATA_FILE = Path(__file__).with_name("profiles.json")
+ATTENTION_KERNELS = ("sdpa", "flash", "sage", "ck")  # what a user can run; "cudnn": lab only
+QUANTIZED_ATTENTION = ("sage", "ck")  # INT8 QK: approximate, not the bits of SDPA
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GPUSpec:
     name: str
     memory_bytes: int
-    matmul_tflops: float  # effective dense GEMM rate in the compute dtype
-    attention_tflops: float  # effective bf16/fp16 SDPA rate at 128-wide heads
-    int8_attention_tflops: float  # effective rate of a quantized (INT8 QK) attention kernel
+    matmul_tflops: float  # effective dense GEMM rate in the compute dtype (bf16, fp16 on Volta)
     memory_bandwidth_gbs: float
-    compute_dtype: str = "bf16"  # fp16 on cards without bf16 (V100)
+    # effective rate of each attention kernel this card runs (TFLOPS of 4 S^2 d H per call)
+    attention_rates: dict[str, float] = field(default_factory=dict)
+    int8_matmul_tops: float | None = None  # comfy-kitchen int8_linear; None: no INT8 GEMM
+    compute_dtype: str = "bf16"
     backend: str = "cuda"  # "cuda" or "rocm"
+    known: bool = True  # False: not in profiles.json, the rates stand in for an unknown card
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def describe(self) -> str:
         return f"{self.name} {self.memory_bytes / GiB:.0f} GiB"
 
+    @property
+    def attention_tflops(self) -> float:
+        """ComfyUI's default attention (PyTorch SDPA under ComfyUI's backend priority)."""
+        return self.attention_rates["sdpa"]
 
-@dataclass(frozen=True)
+    @property
+    def int8_attention_tflops(self) -> float:
+        """The fastest INT8-QK kernel this card has (0 when none)."""
+        return max((self.attention_rates.get(k, 0.0) for k in QUANTIZED_ATTENTION), default=0.0)
+
+    def attention_rate(self, kernel: str) -> tuple[float, str]:
+        """(rate, the kernel it is the rate of): `kernel`'s, or SDPA's when this card has no
+        rate for it (the caller says so in the plan)."""
+        if kernel in self.attention_rates:
+            return self.attention_rates[kernel], kernel
+        return self.attention_rates["sdpa"], "sdpa"
+
+    def gemm_rate(self, dit_dtype: str) -> tuple[float, str]:
+        """(rate, what runs) of the DiT's linears: INT8 GEMMs for the INT8 checkpoint where the
+        card has them, else the compute dtype (ComfyUI dequantizes the weight per GEMM)."""
+        if dit_dtype == "int8" and self.int8_matmul_tops:
+            return self.int8_matmul_tops, "int8"
+        return self.matmul_tflops, self.compute_dtype
+
+
+@dataclass(frozen=True, kw_only=True)
 class LinkSpec:
     kind: str  # "nvlink", "pcie4 x8", ...
     peer_access: bool
     peer_gbs: float  # GPU<->GPU with peer access (0 without)
     host_pinned_gbs: float  # pinned host -> GPU
     host_pageable_gbs: float  # pageable host -> GPU (through a driver bounce buffer)
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def helper_gbs(self) -> float:
@@ -57,7 +93,7 @@ class HardwareProfile:
     gpus: tuple[GPUSpec, ...]
     link: LinkSpec
     host_ram_bytes: int
-    measured: bool = False  # True when read off the real machine
+    measured: bool = False  # True when the link was measured on the real machine
     notes: tuple[str, ...] = field(default=())
     rocm_version: tuple[int, int] | None = None  # (major, minor) of a ROCm build of torch
     torch_version: tuple[int, int] | None = None  # None: assumed new enough (>= 2.8)
@@ -84,43 +120,76 @@ class HardwareProfile:
         return False, f"ROCm {version} is below 7.14, where ComfyUI's DynamicVRAM starts"
 
 
-def _pair(gpu: GPUSpec, link: LinkSpec, name: str, description: str, host_ram_gb: int,
-          *notes: str, rocm: tuple[int, int] | None = None) -> HardwareProfile:
-    return HardwareProfile(name, description, (gpu, gpu), link, host_ram_gb * GiB, notes=notes,
-                           rocm_version=rocm)
+# ------------------------------------------------------------------ the data file
+def _number(entry: dict, key: str, sources: dict[str, str]) -> float | None:
+    item = entry[key]
+    sources[key] = f"{item['kind']}: {item['source']}"
+    return item["value"]
 
 
-_PCIE4_X8 = LinkSpec("PCIe 4.0 x8/x8, no peer access", False, 0.0, 12.0, 6.0)
-_PCIE4_X8_3060 = LinkSpec("PCIe 4.0 x16/x4 (typical consumer board), no peer access", False, 0.0,
-                          12.0, 6.0)
-_PCIE5_X8 = LinkSpec("PCIe 5.0 x8/x8, no peer access", False, 0.0, 24.0, 10.0)
+def _gpu_from_data(entry: dict) -> GPUSpec:
+    sources: dict[str, str] = {}
+    rates = {}
+    for kernel, item in entry["attention_tflops"].items():
+        rates[kernel] = float(item["value"])
+        sources[f"attention.{kernel}"] = f"{item['kind']}: {item['source']}"
+    int8 = _number(entry, "int8_gemm_tops", sources)
+    return GPUSpec(name=entry["name"],
+                   memory_bytes=int(_number(entry, "memory_gib", sources) * GiB),
+                   matmul_tflops=float(_number(entry, "bf16_gemm_tflops", sources)),
+                   memory_bandwidth_gbs=float(_number(entry, "memory_bandwidth_gbs", sources)),
+                   attention_rates=rates, int8_matmul_tops=None if int8 is None else float(int8),
+                   compute_dtype=entry["compute_dtype"], backend=entry["backend"],
+                   sources=sources)
 
-# R9700 attention rates calibrated on the user's 2x R9700 run: 10 s at 1312x736 took 72.62 s/it
-# with Dual-Sage and INT8-QK attention, and BF16 attention was ~56% slower (H3_FACTS section 7)
-R9700 = GPUSpec("AMD Radeon AI PRO R9700", 32 * GiB, 95.0, 49.0, 76.0, 640.0, "bf16", "rocm")
-RTX3060 = GPUSpec("NVIDIA GeForce RTX 3060", 12 * GiB, 22.0, 16.0, 30.0, 360.0)
-RTX5060TI = GPUSpec("NVIDIA GeForce RTX 5060 Ti", 16 * GiB, 42.0, 30.0, 55.0, 448.0)
-V100 = GPUSpec("NVIDIA Tesla V100-SXM2", 32 * GiB, 95.0, 60.0, 0.0, 900.0, "fp16")
-H200 = GPUSpec("NVIDIA H200", 141 * GB, 700.0, 600.0, 500.0, 4300.0)
-RTX5090 = GPUSpec("NVIDIA GeForce RTX 5090", 32 * GiB, 190.0, 130.0, 240.0, 1790.0)
 
-PROFILES: dict[str, HardwareProfile] = {
-    "2xR9700": _pair(R9700, _PCIE4_X8, "2xR9700",
-                     "2x Radeon AI PRO R9700 32 GB, ROCm, PCIe 4.0 x8/x8, no peer access", 128,
-                     "ROCm: torch.cuda is HIP; comfy-kitchen int8 attention needs RDNA3+ WMMA.",
-                     rocm=(7, 2)),  # the user's ROCm 7.2.4 (H3_FACTS section 7)
-    "2x3060": _pair(RTX3060, _PCIE4_X8_3060, "2x3060", "2x GeForce RTX 3060 12 GB, no peer access",
-                    64),
-    "2x5060Ti": _pair(RTX5060TI, _PCIE5_X8, "2x5060Ti",
-                      "2x GeForce RTX 5060 Ti 16 GB, PCIe 5.0 x8/x8, no peer access", 64),
-    "2xV100": _pair(V100, LinkSpec("NVLink 2.0", True, 130.0, 12.0, 6.0), "2xV100",
-                    "2x Tesla V100 32 GB, NVLink, fp16 (no bf16)", 128,
-                    "V100 has no bf16: the DiT runs in fp16; no INT8 attention kernel."),
-    "2xH200": _pair(H200, LinkSpec("NVLink", True, 393.0, 54.6, 18.0), "2xH200",
-                    "2x H200 141 GB, NVLink (our lab machine; rates measured)", 256),
-    "1x5090": HardwareProfile("1x5090", "1x GeForce RTX 5090 32 GB", (RTX5090,),
-                              LinkSpec("PCIe 5.0 x16", False, 0.0, 50.0, 20.0), 64 * GiB),
-}
+def _link_from_data(entry: dict) -> LinkSpec:
+    sources: dict[str, str] = {}
+    return LinkSpec(kind=entry["kind"], peer_access=bool(entry["peer_access"]),
+                    peer_gbs=float(_number(entry, "peer_gbs", sources)),
+                    host_pinned_gbs=float(_number(entry, "host_pinned_gbs", sources)),
+                    host_pageable_gbs=float(_number(entry, "host_pageable_gbs", sources)),
+                    sources=sources)
+
+
+def _load(path: Path = DATA_FILE) -> tuple[dict[str, GPUSpec], dict[str, str],
+                                          dict[str, HardwareProfile]]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    specs, names = {}, {}
+    for entry in data["gpus"]:
+        spec = _gpu_from_data(entry)
+        specs[spec.name] = spec
+        for name in (spec.name, *entry.get("aliases", ())):
+            names[_normal(name)] = spec.name
+    profiles = {}
+    for entry in data["profiles"]:
+        gpu = specs[entry["gpu"]]
+        rocm = entry.get("rocm_version")
+        profiles[entry["name"]] = HardwareProfile(
+            entry["name"], entry["description"], (gpu,) * entry["count"],
+            _link_from_data(entry["link"]), int(entry["host_ram_gib"] * GiB),
+            notes=tuple(entry.get("notes", ())), rocm_version=tuple(rocm) if rocm else None)
+    return specs, names, profiles
+
+
+def _normal(name: str) -> str:
+    return " ".join(name.split()).casefold()
+
+
+SPECS, _NAMES, PROFILES = _load()
+H200 = SPECS["NVIDIA H200"]
+RTX5090 = SPECS["NVIDIA GeForce RTX 5090"]
+RTX5060TI = SPECS["NVIDIA GeForce RTX 5060 Ti"]
+RTX3060 = SPECS["NVIDIA GeForce RTX 3060"]
+V100 = SPECS["Tesla V100-SXM2-32GB"]
+R9700 = SPECS["AMD Radeon AI PRO R9700"]
+STAND_IN = RTX5060TI  # rates for a card the data does not list (a mid-range card), flagged
+
+
+def spec_for_name(name: str) -> GPUSpec | None:
+    """The data's GPU of exactly this model name (case and spacing aside), or None."""
+    key = _NAMES.get(_normal(name))
+    return SPECS[key] if key is not None else None
 
 
 def list_profiles() -> list[str]:
@@ -139,21 +208,21 @@ def get_profile(name: str) -> HardwareProfile:
     )
 
 
-def _closest_spec(name: str) -> GPUSpec | None:
-    lowered = name.lower()
-    for spec in (H200, R9700, RTX5090, RTX5060TI, RTX3060, V100):
-        key = spec.name.lower().split()[-1]
-        if key in lowered:
-            return spec
-    return None
+def gpu_from_device(name: str, memory_bytes: int, backend: str) -> GPUSpec:
+    """A real GPU: the data's rates for its exact model name, or the stand-in's, flagged."""
+    spec = spec_for_name(name)
+    if spec is None:
+        return replace(STAND_IN, name=name, memory_bytes=memory_bytes, backend=backend,
+                       known=False)
+    return replace(spec, name=name, memory_bytes=memory_bytes, backend=backend)
 
 
 def detect_hardware(measure_link: bool = False) -> HardwareProfile:
     """The real machine's GPUs (torch.cuda, CUDA or ROCm) as a profile.
 
-    Memory and names are read; throughputs come from the closest built-in card (or a
-    conservative default). With `measure_link`, host->GPU and GPU->GPU bandwidths are measured
-    with 256 MiB copies (a second or two).
+    Memory and names are read; rates come from the data for the exact model name (or stand in,
+    flagged). With `measure_link`, host->GPU and GPU->GPU bandwidths are measured with 256 MiB
+    copies (a second or two); otherwise they are estimates.
     """
     try:
         import torch
@@ -164,18 +233,19 @@ def detect_hardware(measure_link: bool = False) -> HardwareProfile:
             "no CUDA/ROCm GPU is visible to PyTorch; use a built-in profile instead "
             f"(--profile {' | '.join(PROFILES)})"
         )
+    backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
     gpus = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        base = _closest_spec(props.name) or RTX5060TI
-        backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-        gpus.append(replace(base, name=props.name, memory_bytes=int(props.total_memory),
-                            backend=backend))
+        gpus.append(gpu_from_device(props.name, int(props.total_memory), backend))
     peer = len(gpus) > 1 and all(
         torch.cuda.can_device_access_peer(a, b)
         for a in range(len(gpus)) for b in range(len(gpus)) if a != b)
-    link = LinkSpec("peer access" if peer else "no peer access", peer,
-                    100.0 if peer else 0.0, 12.0, 6.0)
+    estimate = "estimate: not measured (--measure-link measures it)"
+    link = LinkSpec(kind="peer access" if peer else "no peer access", peer_access=peer,
+                    peer_gbs=100.0 if peer else 0.0, host_pinned_gbs=12.0,
+                    host_pageable_gbs=6.0, sources={k: estimate for k in (
+                        "peer_gbs", "host_pinned_gbs", "host_pageable_gbs")})
     if measure_link:
         link = _measure_link(torch, link, len(gpus))
     host_ram = _host_ram_bytes()
@@ -231,5 +301,8 @@ def _measure_link(torch, link: LinkSpec, gpu_count: int) -> LinkSpec:
     if gpu_count > 1 and link.peer_access:
         src = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", 1))
         peer_gbs = timed(lambda: dst.copy_(src, non_blocking=True))
+    measured = "measured on this machine (256 MiB copies)"
     return replace(link, peer_gbs=peer_gbs, host_pinned_gbs=pinned_gbs,
-                   host_pageable_gbs=pageable_gbs)
+                   host_pageable_gbs=pageable_gbs,
+                   sources={k: measured for k in ("peer_gbs", "host_pinned_gbs",
+                                                  "host_pageable_gbs")})

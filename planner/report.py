@@ -1,106 +1,195 @@
-"""Readable and JSON renderings of a Plan."""
+"""Readable and JSON renderings of a Plan: the same facts, in the same words.
+
+The text answers in its first three lines (the verdict with the whole job's time, where that
+time goes, the job), then one line per GPU, the decisions, one line of advice (to fit, or to go
+faster), notes and the memory of every phase; every line wraps at 100 columns.
+"""
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING
 
 from .hardware import GiB
+from .layout import MODE_WORDS
+from .modes import LABELS
+from .timing import duration
 
 if TYPE_CHECKING:
     from .plan import Plan
 
+WIDTH = 100
+COMPONENT_WORDS = {"text_encoder": "text encoder", "video_vae": "video VAE",
+                   "audio_vae": "audio VAE", "latent_upscaler": "latent upscaler", "dit": "DiT",
+                   "sampler": "sampler"}
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:6.1f}"
+
+def verdict_word(plan: Plan) -> str:
+    if not plan.fits:
+        return "DOES NOT FIT"
+    return "FITS (tight)" if plan.verdict.tight else "FITS"
+
+
+def _wrap(text: str, indent: str = "", more: str = "    ") -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + more,
+                         break_on_hyphens=False, break_long_words=True)
+
+
+def _steps_words(plan: Plan) -> str:
+    job = plan.job_time
+    parts = [f"{LABELS[n]} {s}" for n, s in (("pass1", job.pass1_steps),
+                                             ("pass2", job.pass2_steps)) if s]
+    return " + ".join(parts) + " steps"
+
+
+def _headline(plan: Plan) -> list[str]:
+    """Line 1: the verdict and the whole job's time; 2: where the time goes; 3: the job."""
+    job = plan.job_time
+    word = verdict_word(plan)
+    if plan.fits:
+        parts = ", ".join([_steps_words(plan), *(["upscale"] if job.upscale_s else []), "decode"])
+        first = (f"{word}: the whole job ~{duration(job.total_s)} on {plan.profile.name} "
+                 f"({parts})")
+    else:
+        g, phase = next((g, k) for g in plan.gpus for k, m in g.phases.items()
+                        if m.peak > g.usable_bytes)
+        first = (f"{word} on {plan.profile.name}: gpu:{g.index} {phase} needs "
+                 f"{g.phases[phase].peak / GiB:.1f} of {g.usable_bytes / GiB:.1f} GiB; the job "
+                 f"as planned ~{duration(job.total_s)}")
+    passes = [f"{LABELS[n]} {steps} x {_r(plan.step_time_s[n], 1):.1f} s = "
+              f"{duration(steps * plan.step_time_s[n])}"
+              for n, steps in (("pass1", job.pass1_steps), ("pass2", job.pass2_steps)) if steps]
+    upscale = [f"upscale {duration(job.upscale_s)}"] if job.upscale_s else []
+    second = f"time: {', '.join([*passes, *upscale, f'decode {duration(job.decode_s)}'])}"
+    r = plan.request
+    third = (f"job: {plan.pass2.width}x{plan.pass2.height} (PASS1 {plan.pass1.width}x"
+             f"{plan.pass1.height}), {plan.pass2.frames} frames = {plan.pass2.seconds:.1f} s, "
+             f"DiT {r.dit_dtype}, attention {plan.attention.kernel}"
+             + (f", LoRA rank {r.lora_rank}" if r.lora_rank else ""))
+    return [*_wrap(first), *_wrap(second), *_wrap(third)]
+
+
+def _gpu_line(plan: Plan, g) -> list[str]:
+    state = ""
+    if any(p.startswith(f"gpu:{g.index} ") for p in plan.problems):
+        state = ": DOES NOT FIT"
+    elif any(t.startswith(f"gpu:{g.index} ") for t in plan.verdict.tight):
+        state = ": tight"
+    spare = g.headroom_bytes
+    left = f"{spare / GiB:.1f} spare" if spare >= 0 else f"{-spare / GiB:.1f} over"
+    return _wrap(f"gpu:{g.index} {g.role:<6} peak {g.peak_bytes / GiB:.1f} of "
+                 f"{g.usable_bytes / GiB:.1f} GiB ({g.peak_phase}), {left}{state}  {g.name}")
+
+
+def _dual_sage_words(plan: Plan) -> str:
+    ds = plan.dual_sage
+    split = "+".join(str(h) for h in ds.split)
+    if ds.state == "on":
+        return (f"Dual-Sage: on, heads {split} (root gpu:{plan.root_device} first), "
+                f"{ds.transport} transport, min_tokens {ds.min_tokens:,} -- {ds.reason}")
+    if ds.state == "standby":
+        return f"Dual-Sage: standby, heads {split}, {ds.transport} transport -- {ds.reason}"
+    return f"Dual-Sage: off -- {ds.reason}"
+
+
+def _decisions(plan: Plan) -> list[str]:
+    ch, pf = plan.chunking, plan.prefetch
+    lines = []
+    if plan.parallel is not None:
+        for name, p in plan.parallel.passes.items():
+            tokens = (plan.pass1 if name == "pass1" else plan.pass2).tokens \
+                + plan.request.text_tokens
+            lines.append(f"{LABELS[name]} ({tokens:,} tokens): {MODE_WORDS[p.mode]}, "
+                         f"{_r(p.step_time_s, 1):.1f} s/it "
+                         f"({p.speedup:.2f}x the root alone) -- {p.reason}")
+    lines.append(f"attention: {plan.attention.describe()}")
+    lines.append(f"DiT blocks: {pf.resident_blocks} resident, {pf.streamed_blocks} streamed"
+                 f" -- {pf.reason}")
+    if plan.loader is not None:
+        lines.append(f"loader: {plan.loader.describe()}")
+    if ch.ffn_chunk or ch.qkv_chunk or ch.head_group:
+        lines.append(f"chunking: FFN {ch.ffn_chunk} rows, QKV {ch.qkv_chunk} rows, "
+                     f"{ch.head_group} heads per attention call -- {ch.reason}")
+    else:
+        lines.append(f"chunking: off -- {ch.reason}")
+    lines.append(_dual_sage_words(plan))
+    if plan.decode is not None:
+        lines.append(f"video decode: {plan.decode.describe()}")
+    by_gpu: dict[int, list[str]] = {}
+    for name, index in plan.placement.items():
+        by_gpu.setdefault(index, []).append(COMPONENT_WORDS[name])
+    lines.append("placement: " + "; ".join(f"{', '.join(v)} on gpu:{k}"
+                                           for k, v in sorted(by_gpu.items())))
+    out = ["decisions:"]
+    for line in lines:
+        out += _wrap(line, "  ")
+    return out
+
+
+def _phases(plan: Plan) -> list[str]:
+    out = ["memory per phase (peak GiB; weights + activations + workspace):"]
+    for g in plan.gpus:
+        parts = ", ".join(f"{phase} {mem.peak / GiB:.1f}" for phase, mem in g.phases.items())
+        out += _wrap(f"gpu:{g.index}: {parts} (usable {g.usable_bytes / GiB:.1f})", "  ")
+    return out
 
 
 def render_report(plan: Plan) -> str:
-    r = plan.request
-    lines = [
-        f"H3 multi-GPU plan: {plan.profile.name} ({plan.profile.description})",
-        f"job: PASS1 {plan.pass1.width}x{plan.pass1.height} -> PASS2 {plan.pass2.describe()}; "
-        f"tokens PASS1 {plan.pass1.tokens:,}, PASS2 {plan.pass2.tokens:,} "
-        f"(+{r.text_tokens} text); DiT {r.dit_dtype}, {plan.sizes.source}"
-        + (f"; LoRA rank {r.lora_rank} on activations" if r.lora_rank else ""),
-        "",
-        f"{'GPU':<5} {'role':<11} {'phase':<15} {'weights':>8} {'activ.':>8} {'worksp.':>8} "
-        f"{'peak':>8} {'headroom':>9}  (GiB)",
-    ]
+    lines = _headline(plan)
     for g in plan.gpus:
-        usable = g.capacity_bytes - g.reserve_bytes
-        for i, (phase, mem) in enumerate(g.phases.items()):
-            head = f"gpu:{g.index}" if i == 0 else ""
-            role = g.role if i == 0 else ""
-            flag = "" if mem.peak <= usable else "  <-- does not fit"
-            lines.append(f"{head:<5} {role:<11} {phase:<15} {_gib(mem.weights):>8} "
-                         f"{_gib(mem.activations):>8} {_gib(mem.workspace):>8} "
-                         f"{_gib(mem.peak):>8} {_gib(usable - mem.peak):>9}{flag}")
-        lines.append(f"{'':<5} {g.name} ({g.capacity_bytes / GiB:.1f} GiB, "
-                     f"{g.reserve_bytes / GiB:.1f} GiB kept free for fragmentation/runtime)")
-    ds, ch, pf = plan.dual_sage, plan.chunking, plan.prefetch
-    place = ", ".join(f"{k} gpu:{v}" for k, v in plan.placement.items())
-    lines += ["", "decisions:", f"  placement: {place}"]
-    modes = {p.mode for p in plan.parallel.passes.values()} if plan.parallel else set()
-    if ds.enabled and modes == {"sequence"}:
-        # every pass runs sequence parallel: head sharding is configured but idle unless a
-        # step falls back to heads mode (short steps, a helper below its row floor)
-        split = "+".join(str(h) for h in ds.split)
-        lines.append(f"  Dual-Sage: standby, heads {split}, {ds.transport} transport -- both "
-                     "passes run sequence parallel (below); it shards only a step that falls "
-                     f"back to heads mode (alone it would give: {ds.reason})")
-    elif ds.enabled:
-        split = "+".join(str(h) for h in ds.split)
-        lines.append(f"  Dual-Sage: on, heads {split} (root gpu:{plan.root_device} first), "
-                     f"{ds.transport} transport, min_tokens {ds.min_tokens:,} -- {ds.reason}")
-    else:
-        lines.append(f"  Dual-Sage: off -- {ds.reason}")
-    if ch.ffn_chunk or ch.qkv_chunk or ch.head_group:
-        lines.append(f"  chunking: FFN {ch.ffn_chunk} rows, QKV {ch.qkv_chunk} rows, "
-                     f"{ch.head_group} heads per attention call -- {ch.reason}")
-    else:
-        lines.append(f"  chunking: off -- {ch.reason}")
-    if plan.loader is not None:
-        lines.append(f"  loader: {plan.loader.describe()}")
-    lines.append(f"  DiT blocks: {pf.resident_blocks} resident, {pf.streamed_blocks} streamed"
-                 f" -- {pf.reason}")
-    if plan.parallel is not None:
-        for name in plan.parallel.passes:
-            lines.append(f"  parallel {name.upper()}: {plan.parallel.describe(name)}")
-    if plan.decode is not None:
-        lines.append(f"  video decode: {plan.decode.describe()}")
-    lines.append("")
-    for name in ("pass1", "pass2"):
-        t, t1 = plan.step_time_s[name], plan.single_gpu_step_time_s[name]
-        lines.append(f"  predicted {name.upper()} step: {t:6.2f} s/it"
-                     + (f" (root GPU alone {t1:.2f} s/it, {t1 / t:.2f}x)" if t1 != t else ""))
+        lines += _gpu_line(plan, g)
+    lines += _decisions(plan)
+    if plan.verdict.advice:
+        lines += _wrap(plan.verdict.advice)
+    if not plan.fits:
+        lines.append("does not fit:")
+        for problem in plan.problems:
+            lines += _wrap(f"- {problem}", "  ")
+        if len(plan.suggestions) > 1:
+            lines.append("other changes that fit:")
+            for s in plan.suggestions[1:]:
+                lines += _wrap(f"- {s}", "  ")
+    if plan.verdict.tight:
+        lines += _wrap("tight (under 0.5 GiB beyond the reserve): "
+                       + "; ".join(plan.verdict.tight))
     if plan.notes:
-        lines += ["", "notes:"] + [f"  - {n}" for n in plan.notes]
-    lines.append("")
-    if plan.fits:
-        lines.append("FITS: every GPU keeps its reserve free in every phase.")
-    else:
-        lines.append("DOES NOT FIT:")
-        lines += [f"  - {p}" for p in plan.problems]
-        lines.append("smallest changes that fit:")
-        lines += [f"  - {s}" for s in plan.suggestions]
-    lines.append("(the latent-upscale workspace is an estimate; the decode's memory and time are "
-                 "measured on an H200 at 1312x736; DiT activations follow the block's tensors, "
-                 "checked on a GPU: docs/BENCHMARKS.md)")
+        lines.append("notes:")
+        for n in plan.notes:
+            lines += _wrap(f"- {n}", "  ")
+    lines += _phases(plan)
+    lines += _wrap("(times leave out model loading and the prompt's text encoding; rates and "
+                   "their sources: planner/profiles.json; the latent upscale is an estimate, "
+                   "the decode measured on an H200: docs/BENCHMARKS.md)")
     return "\n".join(lines)
+
+
+def _r(x: float, digits: int = 2) -> float:
+    return round(float(x), digits)
 
 
 def plan_to_dict(plan: Plan) -> dict:
     r = plan.request
+    job = plan.job_time
     return {
+        "verdict": verdict_word(plan),
         "fits": plan.fits,
+        "tight": list(plan.verdict.tight),
+        "advice": plan.verdict.advice,
+        "job_time_s": {"total": _r(job.total_s, 1), "pass1": _r(job.pass1_s, 1),
+                       "pass2": _r(job.pass2_s, 1), "upscale": _r(job.upscale_s, 1),
+                       "decode": _r(job.decode_s, 1)},
+        "steps": {"pass1": job.pass1_steps, "pass2": job.pass2_steps},
         "tokens": plan.pass2.tokens,
         "tokens_pass1": plan.pass1.tokens,
         "text_tokens": r.text_tokens,
         "frames": plan.pass2.frames,
-        "seconds": round(plan.pass2.seconds, 3),
+        "seconds": _r(plan.pass2.seconds, 3),
         "pass1": {"width": plan.pass1.width, "height": plan.pass1.height},
         "pass2": {"width": plan.pass2.width, "height": plan.pass2.height},
         "profile": plan.profile.name,
+        "dit_dtype": r.dit_dtype,
+        "attention": {"kernel": plan.attention.kernel, "requested": plan.attention.requested,
+                      "quantized": plan.attention.quantized, "reason": plan.attention.reason},
         "root_device": plan.root_device,
         "helper_devices": list(plan.helper_devices),
         "placement": dict(plan.placement),
@@ -111,7 +200,9 @@ def plan_to_dict(plan: Plan) -> dict:
                 "name": g.name,
                 "capacity_bytes": g.capacity_bytes,
                 "reserve_bytes": g.reserve_bytes,
+                "usable_bytes": g.usable_bytes,
                 "peak_bytes": g.peak_bytes,
+                "peak_phase": g.peak_phase,
                 "headroom_bytes": g.headroom_bytes,
                 "phases": {k: {"weights": v.weights, "activations": v.activations,
                                "workspace": v.workspace, "peak": v.peak}
@@ -119,7 +210,7 @@ def plan_to_dict(plan: Plan) -> dict:
             }
             for g in plan.gpus
         ],
-        "dual_sage": {"enabled": plan.dual_sage.enabled,
+        "dual_sage": {"state": plan.dual_sage.state, "installed": plan.dual_sage.enabled,
                       "helper_devices": list(plan.dual_sage.helper_devices),
                       "split": list(plan.dual_sage.split),
                       "min_tokens": plan.dual_sage.min_tokens,
@@ -140,22 +231,24 @@ def plan_to_dict(plan: Plan) -> dict:
             "pinned_budget_source": plan.loader.pinned_budget_source},
         "parallel": None if plan.parallel is None else {
             "requested": plan.parallel.requested, "transport": plan.parallel.transport,
-            "row_weights": list(plan.parallel.row_weights),
+            "row_weights": [_r(w, 3) for w in plan.parallel.row_weights],
             "head_split": list(plan.parallel.head_split),
-            "passes": {n: {"mode": p.mode, "reason": p.reason, "speedup": round(p.speedup, 3),
-                           "step_time_s": p.step_time_s, "helper_weights": p.helper_weights,
+            "passes": {n: {"mode": p.mode, "reason": p.reason, "speedup": _r(p.speedup, 3),
+                           "step_time_s": _r(p.step_time_s, 1), "helper_weights": p.helper_weights,
+                           "options_s": dict(p.options_s or {}),
                            "root_activation_bytes": p.root_activation_bytes,
                            "helper_activation_bytes": p.helper_activation_bytes,
                            "helper_weight_bytes": p.helper_weight_bytes}
                        for n, p in plan.parallel.passes.items()}},
         "decode": None if plan.decode is None else {
             "devices": list(plan.decode.devices),
-            "windows": [list(r) for r in plan.decode.windows],
-            "seconds": plan.decode.seconds, "single_gpu_seconds": plan.decode.single_seconds,
+            "windows": [list(w) for w in plan.decode.windows],
+            "seconds": _r(plan.decode.seconds),
+            "single_gpu_seconds": _r(plan.decode.single_seconds),
             "peak_bytes": {str(k): v for k, v in plan.decode.peak_bytes.items()},
             "make_room": plan.decode.make_room, "reason": plan.decode.reason},
-        "step_time_s": dict(plan.step_time_s),
-        "single_gpu_step_time_s": dict(plan.single_gpu_step_time_s),
+        "step_time_s": {k: _r(v, 1) for k, v in plan.step_time_s.items()},
+        "single_gpu_step_time_s": {k: _r(v, 1) for k, v in plan.single_gpu_step_time_s.items()},
         "notes": list(plan.notes),
         "problems": list(plan.problems),
         "suggestions": list(plan.suggestions),

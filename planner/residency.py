@@ -22,7 +22,7 @@ from .components import ComponentSizes
 from .hardware import GiB, HardwareProfile
 
 if TYPE_CHECKING:
-    from .plan import PlanRequest
+    from .request import PlanRequest
 
 LOOKAHEAD = 2  # the pack's streamer: 2 streamed blocks ahead, into K + 1 = 3 device slots
 COMFY_LOOKAHEAD = 1  # ComfyUI DynamicVRAM's make_prefetch_queue: the next block while one runs
@@ -68,6 +68,7 @@ class PrefetchPlan:
     # who streams the non-resident blocks: "pack" (the pack's streamer, legacy loader),
     # "comfyui" (ComfyUI DynamicVRAM: its VBAR and one-block prefetch), "none"
     streamer: str = "pack"
+    pinned_fraction: float = 1.0  # of the streamed blocks' host copies, the pinned share
 
 
 def plan_loader(request: PlanRequest, profile: HardwareProfile) -> LoaderPlan:
@@ -95,7 +96,7 @@ def plan_loader(request: PlanRequest, profile: HardwareProfile) -> LoaderPlan:
 def plan_prefetch(request: PlanRequest, sizes: ComponentSizes, free_for_blocks: int,
                   loader: LoaderPlan, root: int) -> PrefetchPlan:
     """Resident and streamed DiT blocks on the root GPU `root`, given the bytes left for block
-    weights beside the PASS2 activations, for the loader that runs."""
+    weights beside the activations of the pass that peaks, for the loader that runs."""
     block = sizes.dit_block_bytes
     refiner = geometry.REFINER_BLOCKS
     forced = request.resident_blocks is not None
@@ -134,12 +135,14 @@ def plan_prefetch(request: PlanRequest, sizes: ComponentSizes, free_for_blocks: 
         return PrefetchPlan(resident, streamed, LOOKAHEAD, count * flat, "pinned",
                             reason + ", all pinned" + short, refiner, 0)
     split = offload_sizing.arena_split([flat] * count, host_budget)
+    pinned_share = (count - split.staged_blocks) / count
     reason += (f"; the {host_budget / GiB:.0f} GiB pinned budget holds "
                f"{count - split.staged_blocks} of them and the pinned staging ring "
                f"({split.staging_bytes / GiB:.1f} GiB), {split.staged_blocks} go through the "
                f"ring from pageable memory")
     return PrefetchPlan(resident, streamed, LOOKAHEAD, host_budget, "pinned+pageable",
-                        reason + short, refiner, split.staged_blocks)
+                        reason + short, refiner, split.staged_blocks,
+                        pinned_fraction=pinned_share)
 
 
 def _dynamic_prefetch(resident: int, streamed: int, block: int, refiner: int,
@@ -157,7 +160,7 @@ def _dynamic_prefetch(resident: int, streamed: int, block: int, refiner: int,
     budget = loader.pinned_budget_bytes
     pinned = min(count * block, budget)
     source = "pinned" if pinned == count * block else "pinned+pageable"
-    reason = (f"{where} keeps about {resident} of the 50 blocks resident beside the PASS2 "
+    reason = (f"{where} keeps about {resident} of the 50 blocks resident beside the "
               f"activations and casts the other {streamed} (and the token refiner's {refiner}, "
               f"{count * block / GiB:.1f} GiB) in from host memory at every step, the next "
               f"block staged while one runs (make_prefetch_queue, one ahead); ComfyUI pins the "
@@ -167,6 +170,6 @@ def _dynamic_prefetch(resident: int, streamed: int, block: int, refiner: int,
         reason += (f": {(count * block - pinned) / GiB:.1f} GiB of them stay pageable "
                    "(slower copies)")
     return PrefetchPlan(resident, streamed, COMFY_LOOKAHEAD, budget, source, reason, refiner, 0,
-                        streamer="comfyui")
+                        streamer="comfyui", pinned_fraction=pinned / (count * block))
 
 

@@ -121,7 +121,12 @@ def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
     profile = plan.profile
     order = [plan.root_device, *plan.helper_devices]
     quantized = bool(getattr(plan.request, "quantized_attention", False))
-    speeds = tuple(gpu_speed(profile.gpus[i], quantized) for i in order)
+    # the attention kernel the plan was timed with (older plans: the quantized flag)
+    kernel = getattr(getattr(plan, "attention", None), "kernel", None)
+    speeds = tuple(gpu_speed(profile.gpus[i], kernel or quantized) for i in order)
+    # the helper streams its DiT when the plan found no room for a replica in some pass (the
+    # runtime's own "auto" looks at the first split step only, and keeps its choice)
+    planned = {p.helper_weights for p in parallel.passes.values() if p.mode == "sequence"}
     link = link_speed(profile)
     values: dict[str, Any] = dict(
         parallel="auto" if parallel.requested in ("auto", "heads") else parallel.requested,
@@ -129,6 +134,7 @@ def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
         split=":".join(f"{w:g}" for w in parallel.row_weights),
         transport=parallel.transport if parallel.transport in ("peer", "host") else "auto",
         gpu_speeds=speeds, link_gbps=link.gbps, host_gbps=link.host_gbps,
+        helper_weights=STREAM if STREAM in planned else "auto",
         note="plan: " + ", ".join(f"{name.upper()} {p.mode} ({p.speedup:.2f}x predicted)"
                                   for name, p in parallel.passes.items()))
     values.update(overrides)

@@ -372,7 +372,7 @@ def test_package_imports_without_comfyui_and_the_extension_needs_it():
 # ------------------------------------------------------ the libraries behind the nodes
 def test_plan_chunking_is_applied_exactly_on_the_twin(tiny_twin, tiny_inputs):
     chunking = pytest.importorskip("h3_multigpu.chunking")
-    plan = _plan("2xR9700", seconds=15)
+    plan = _plan("2x5060Ti", seconds=15)
     assert plan.chunking.ffn_chunk > 44  # the real plan's chunks exceed the tiny sequence:
     # shrink them (the plan object is what apply_plan reads) so the 44-token twin is cut
     plan.chunking = dataclasses.replace(plan.chunking, ffn_chunk=16, qkv_chunk=12, head_group=3)
@@ -402,7 +402,7 @@ def test_plan_chunking_is_applied_exactly_on_the_twin(tiny_twin, tiny_inputs):
 
 
 def test_a_missing_library_is_reported_not_silent(tiny_twin, monkeypatch):
-    plan = _plan("2xR9700", seconds=15)
+    plan = _plan("2x5060Ti", seconds=15)
     monkeypatch.setitem(sys.modules, "h3_multigpu.chunking", None)  # import now fails
     model = TwinPatcher(tiny_twin)
     out, lines = apply_plan(model, plan, decide_placement(PAIR),

@@ -29,17 +29,25 @@ def test_profiles_exist():
         get_profile("nope")
 
 
-def test_user_case_15s_on_2xR9700_fits_with_chunking():
+def test_user_case_15s_on_2xR9700_fits():
     plan = plan_job(PlanRequest(width=1312, height=736, seconds=15, profile="2xR9700"))
     assert plan.fits
     assert plan.tokens == 102_107
     assert plan.root_device == 1 and plan.helper_devices == [0]
     assert plan.placement["text_encoder"] == 0 and plan.placement["dit"] == 1
-    assert plan.chunking.ffn_chunk > 0 and plan.chunking.qkv_chunk > 0
+    # both passes run sequence parallel, which halves the activations: no chunking needed
+    assert {p.mode for p in plan.parallel.passes.values()} == {"sequence"}
+    assert plan.chunking.ffn_chunk == 0
+    assert plan.chunking.reason.startswith("not needed: the PASS2 (sequence parallel) root peak")
     root = plan.gpus[1]
     assert root.peak_bytes <= root.capacity_bytes - root.reserve_bytes
-    assert plan.dual_sage.enabled and plan.dual_sage.split == (28, 28)
+    assert plan.dual_sage.state == "standby" and plan.dual_sage.split == (28, 28)
     assert plan.dual_sage.transport == "host"  # R9700 pair has no peer access
+    # on one GPU per block (heads mode) the same job needs the chunks
+    heads = plan_job(PlanRequest(width=1312, height=736, seconds=15, profile="2xR9700",
+                                 parallel="heads"))
+    assert heads.fits and heads.chunking.ffn_chunk > 0 and heads.chunking.qkv_chunk > 0
+    assert heads.dual_sage.state == "on" and heads.dual_sage.enabled
 
 
 def test_user_case_without_chunking_does_not_fit_and_suggests():
@@ -188,7 +196,7 @@ def test_detect_hardware_reads_the_gpus_torch_sees(monkeypatch):
     from h3_multigpu.planner import detect_hardware
 
     props = [types.SimpleNamespace(name="NVIDIA GeForce RTX 5060 Ti", total_memory=16 * GiB),
-             types.SimpleNamespace(name="AMD Radeon AI PRO R9700", total_memory=32 * GiB)]
+             types.SimpleNamespace(name="NVIDIA GeForce RTX 5090", total_memory=32 * GiB)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
@@ -196,11 +204,12 @@ def test_detect_hardware_reads_the_gpus_torch_sees(monkeypatch):
     profile = detect_hardware()
     assert [g.name for g in profile.gpus] == [p.name for p in props]
     assert [g.memory_bytes for g in profile.gpus] == [16 * GiB, 32 * GiB]
+    assert all(g.known for g in profile.gpus)
     assert not profile.link.peer_access
     # unequal cards: the planner weights the head split by each card's attention rate
-    plan = plan_job(PlanRequest(seconds=10, profile=profile))
+    plan = plan_job(PlanRequest(seconds=10, profile=profile, parallel="heads"))
     assert plan.dual_sage.enabled and sum(plan.dual_sage.split) == 56
-    assert plan.dual_sage.split[0] > plan.dual_sage.split[1]  # the root (R9700) is faster
+    assert plan.dual_sage.split[0] > plan.dual_sage.split[1]  # the root (5090) is faster
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ValueError, match="no CUDA/ROCm GPU"):
         detect_hardware()

@@ -86,11 +86,12 @@ def test_dynamic_copies_hide_behind_one_block_only():
                                 parallel="off", dual_sage="off"))
     pf = plan.prefetch
     assert pf.streamer == "comfyui" and pf.source == "pinned" and pf.streamed_blocks > 0
-    gpu = profile.gpus[plan.root_device]
+    rates = timing.gpu_rates(profile.gpus[plan.root_device], dit_dtype="int8",
+                             attention="sdpa")
     for name in ("pass1", "pass2"):
         tokens = (plan.pass1 if name == "pass1" else plan.pass2).tokens + 256
-        block = timing.linear_time_s(tokens, gpu) + timing.attention_time_s(tokens, gpu)
-        copy = timing.block_copy_time_s(plan.sizes.dit_block_bytes, profile.link, pinned=True)
+        block = timing.one_gpu_block_s(tokens, rates)
+        copy = timing.block_copy_s(plan.sizes.dit_block_bytes, profile.link)
         overhead = sizing.one_ahead_overhead_seconds(
             streamed=pf.streamed_blocks, block_compute_s=block, block_copy_s=copy)
         assert overhead > 0

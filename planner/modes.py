@@ -1,0 +1,390 @@
+"""Stage 3 of a plan: the mode of each pass, each candidate planned with the memory it would have.
+
+For each pass and each mode (one GPU, heads = Dual-Sage, sequence) this module works out the
+root's activation peak in that mode, the chunking that peak needs to sit beside all blocks, the
+blocks that stay resident beside it, the helper's share and the step time that follows; a pass
+then runs the fastest mode that fits (never one slower than the root alone by the margin).
+Memory and chunking for the whole model are decided afterwards from the modes that run
+(`planner.layout`): a one-GPU peak never sizes a pass that runs sequence parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import geometry
+from ..dual_sage import sizing as dual_sage_sizing
+from ..offload import sizing as offload_sizing
+from ..sequence import sizing as sequence_sizing
+from . import timing
+from .attention import AttentionChoice
+from .components import ComponentSizes
+from .hardware import GiB, HardwareProfile
+from .memory import BlockDims, ChunkSettings, block_activation_peak
+from .parallel import EXACT_MIN_ROWS, ParallelPlan, PassParallel
+from .placement import Placement
+from .request import PlanRequest
+from .residency import LoaderPlan, PrefetchPlan, plan_prefetch
+from .sizing import dual_sage_helper_workspace
+
+MIN_SPARE_BYTES = int(0.5 * GiB)  # left free beyond the reserve when streaming can give it
+MARGIN = 1.03  # a split mode must beat one GPU by this factor to be picked
+CHUNK_ROWS = (32768, 16384, 8192, 4096)  # large chunks keep the GEMMs efficient
+LABELS = {"pass1": "PASS1", "pass2": "PASS2"}
+MODE_ORDER = ("off", "heads", "sequence")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DualSageSetup:
+    """Dual-Sage as it would run here, before any pass picks it."""
+
+    possible: bool
+    split: tuple[int, ...]  # heads per device, root first
+    min_tokens: int
+    transport: str  # "peer" | "host" | "none"
+    reason: str  # why not, or the link it would use
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTContext:
+    """What every pass and mode is planned against (built once per plan)."""
+
+    request: PlanRequest
+    profile: HardwareProfile
+    placement: Placement
+    sizes: ComponentSizes
+    loader: LoaderPlan
+    attention: AttentionChoice
+    rates: tuple[timing.GPURates, ...]  # per GPU index
+    dims: BlockDims
+    dual: DualSageSetup
+    shapes: dict[str, geometry.PassGeometry]  # per pass: canvas, frames, latent
+    tokens: dict[str, int]  # per pass, text included
+
+    @property
+    def root(self) -> int:
+        return self.placement.root
+
+    @property
+    def helpers(self) -> list[int]:
+        return list(self.placement.helpers)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Root bytes that never stream: the DiT outside its blocks, and the LoRA."""
+        return dit_fixed_bytes(self.sizes) + self.sizes.lora_bytes
+
+    @property
+    def root_budget_bytes(self) -> int:
+        """Root bytes for DiT blocks and activations."""
+        return self.placement.usable_bytes[self.root] - self.fixed_bytes
+
+    @property
+    def all_blocks_bytes(self) -> int:
+        # the token refiner's blocks count with the DiT blocks: they stream with them
+        return (geometry.BLOCKS + geometry.REFINER_BLOCKS) * self.sizes.dit_block_bytes
+
+    @property
+    def row_weights(self) -> tuple[float, ...]:
+        rates = tuple(self.rates[i].gemm_tflops for i in [self.root, *self.helpers])
+        return rates if len(set(rates)) > 1 else (1.0,) * len(rates)
+
+    @property
+    def seq_heads(self) -> tuple[int, ...]:
+        return tuple(sequence_sizing.split_counts(geometry.HEADS, self.row_weights))
+
+
+def dit_fixed_bytes(sizes: ComponentSizes) -> int:
+    """DiT bytes always resident: outside the 50 blocks and the token refiner's blocks."""
+    return max(0, sizes.dit_other_bytes - geometry.REFINER_BLOCKS * sizes.dit_block_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassMemory:
+    """One pass in one mode: the activations and the helper's share."""
+
+    mode: str
+    chunks: ChunkSettings
+    root_activation_bytes: int
+    phase: str  # where the root's peak is: "attention/QKV" | "FFN" | "sequence block"
+    helper_activation_bytes: int = 0
+    helper_dit_bytes: int = 0  # sequence: the DiT replica or its streaming slots
+    helper_workspace_bytes: int = 0  # heads: Dual-Sage's ring of head chunks
+    helper_weights: str = "none"  # "replica" | "stream" | "none"
+    refusal: str | None = None  # why the mode cannot run this pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeOption:
+    memory: PassMemory
+    prefetch: PrefetchPlan
+    step: timing.StepTime
+    shortfall_bytes: int  # how far the fullest GPU is over its usable memory (0: it fits)
+
+    @property
+    def fits(self) -> bool:
+        return self.shortfall_bytes == 0 and self.memory.refusal is None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeDecision:
+    """Stage output: the mode of each pass, with the option it was chosen from."""
+
+    parallel: ParallelPlan
+    chosen: dict[str, ModeOption]
+    single: dict[str, ModeOption]  # each pass on the root GPU alone
+
+
+# ------------------------------------------------------------------ memory of a pass in a mode
+def _adapter_kwargs(ctx: DiTContext) -> dict:
+    return dict(lora_on_activations=ctx.request.lora_rank > 0, lora_rank=ctx.request.lora_rank,
+                fused_swiglu=ctx.request.fused_swiglu)
+
+
+def pass_memory(ctx: DiTContext, *, mode: str, tokens: int, chunks: ChunkSettings,
+                helper_weights: str | None = None) -> PassMemory:
+    """The activations of one pass in `mode` with `chunks`, and what the helper holds
+    (sequence mode: `helper_weights` "stream" forces streaming, None lets it choose)."""
+    if mode == "sequence":
+        return _sequence_memory(ctx, tokens, chunks, helper_weights)
+    extra = 0
+    workspace = 0
+    if mode == "heads":
+        # Dual-Sage's contiguous send/receive buffers for the helper heads, per token
+        extra = dual_sage_sizing.root_extra_bytes(1, sum(ctx.dual.split[1:]), ctx.dims.head_dim,
+                                                  element_bytes=ctx.dims.element_bytes)
+        workspace = dual_sage_helper_workspace(tokens, ctx.dual.split[1],
+                                               host_relay=not ctx.profile.link.peer_access)
+    peak = block_activation_peak(tokens, ctx.dims, chunks, dual_sage_root_extra_per_token=extra,
+                                 **_adapter_kwargs(ctx))
+    return PassMemory(mode=mode, chunks=chunks, root_activation_bytes=peak.peak_bytes,
+                      phase=peak.phase, helper_workspace_bytes=workspace)
+
+
+def _sequence_memory(ctx: DiTContext, tokens: int, chunks: ChunkSettings,
+                     helper_weights: str | None) -> PassMemory:
+    block_sizing = sequence_sizing.block_sizing
+    adapters = block_sizing.Adapters.turbo_lora(ctx.request.lora_rank)
+    kernels = block_sizing.Kernels(mlp="comfy" if ctx.request.fused_swiglu else "twin")
+    memory = sequence_sizing.sequence_memory(
+        tokens, ctx.seq_heads, row_weights=ctx.row_weights, adapters=adapters, kernels=kernels,
+        ffn_chunk=chunks.ffn_chunk)
+    helper_act = max(m.peak for m in memory[1:])
+    shares = sequence_sizing.split_counts(tokens, ctx.row_weights)
+    refusal = None
+    if min(shares) < EXACT_MIN_ROWS:
+        refusal = (f"{tokens:,} tokens give a GPU {min(shares):,} rows, below the exact range "
+                   f"({EXACT_MIN_ROWS:,})")
+    block = ctx.sizes.dit_block_bytes
+    replica = geometry.BLOCKS * block
+    slots = sequence_sizing.helper_weight_bytes(block, geometry.BLOCKS, replica=False)
+    free = ctx.placement.helper_free_bytes
+    if helper_weights != "stream" and replica + helper_act + MIN_SPARE_BYTES <= free:
+        weights, dit = "replica", replica
+    elif slots + helper_act <= free:
+        weights, dit = "stream", slots
+    else:
+        weights, dit = "none", 0
+        refusal = refusal or (f"the helper cannot hold {helper_act / GiB:.1f} GiB of "
+                              f"activations beside the DiT's streaming slots")
+    return PassMemory(mode="sequence", chunks=chunks, root_activation_bytes=memory[0].peak,
+                      phase="sequence block", helper_activation_bytes=helper_act,
+                      helper_dit_bytes=dit, helper_weights=weights, refusal=refusal)
+
+
+def needed_chunks(ctx: DiTContext, *, mode: str, tokens: int) -> ChunkSettings:
+    """The cheapest chunking whose root peak in `mode` sits beside every DiT block (the most
+    aggressive when none does); none when switched off, the smallest when forced on."""
+    if ctx.request.chunking == "off":
+        return ChunkSettings()
+    ladder = [ChunkSettings(ffn_chunk=rows, qkv_chunk=rows,
+                            head_group=ctx.dims.heads // 4 or 1) for rows in CHUNK_ROWS]
+    if ctx.request.chunking == "on":
+        return ladder[-1]
+    free = ctx.root_budget_bytes - ctx.all_blocks_bytes
+    for chunks in [ChunkSettings(), *ladder]:
+        if pass_memory(ctx, mode=mode, tokens=tokens, chunks=chunks).root_activation_bytes \
+                <= free:
+            return chunks
+    return ladder[-1]  # even this does not fit beside all blocks: blocks stream
+
+
+def free_for_blocks(ctx: DiTContext, root_activation_bytes: int) -> int:
+    """Root bytes left for DiT block weights beside the activations (and the spare)."""
+    return ctx.root_budget_bytes - root_activation_bytes - MIN_SPARE_BYTES
+
+
+def pass_step(ctx: DiTContext, *, mode: str, tokens: int, prefetch: PrefetchPlan,
+              helper_weights: str) -> timing.StepTime:
+    """One step of one pass in `mode` with this residency on the root."""
+    root = ctx.rates[ctx.root]
+    helpers = [ctx.rates[h] for h in ctx.helpers]
+    link = ctx.profile.link
+    if mode == "sequence":
+        streamed = ctx.sizes.dit_block_bytes if helper_weights == "stream" else 0
+        block = timing.sequence_block_s(tokens, [root, *helpers], ctx.seq_heads, link,
+                                        row_weights=ctx.row_weights,
+                                        helper_streamed_block_bytes=streamed)
+    elif mode == "heads":
+        block = timing.heads_block_s(tokens, root, helpers, link, ctx.dual.split)
+    else:
+        block = timing.one_gpu_block_s(tokens, root)
+    copy = timing.block_copy_s(ctx.sizes.dit_block_bytes, link,
+                               pinned_fraction=prefetch.pinned_fraction)
+    overhead = timing.streaming_s(comfy_streams=prefetch.streamer == "comfyui",
+                                  streamed=prefetch.streamed_blocks, block_s=block, copy_s=copy)
+    return timing.StepTime(mode=mode, block_s=block, streaming_s=overhead)
+
+
+def root_need_bytes(ctx: DiTContext, memory: PassMemory, prefetch: PrefetchPlan) -> int:
+    """The root's peak in this pass: fixed weights, block weights (resident and the buffers of
+    whoever streams) and the activations."""
+    return ctx.fixed_bytes + block_weight_bytes(ctx, prefetch) + memory.root_activation_bytes
+
+
+def block_weight_bytes(ctx: DiTContext, prefetch: PrefetchPlan) -> int:
+    # resident blocks plus the block-sized buffers of whoever streams (the pack's K + 1 slots,
+    # or DynamicVRAM's running and next-staged block)
+    return offload_sizing.streamed_weight_vram_bytes(
+        blocks=geometry.BLOCKS, resident=prefetch.resident_blocks,
+        block_bytes=ctx.sizes.dit_block_bytes, lookahead=max(prefetch.lookahead, 1),
+        extra_streamed=geometry.REFINER_BLOCKS)
+
+
+def option(ctx: DiTContext, *, mode: str, tokens: int) -> ModeOption:
+    """One pass in one mode, with the chunking and residency that mode would have alone."""
+    memory = pass_memory(ctx, mode=mode, tokens=tokens,
+                         chunks=needed_chunks(ctx, mode=mode, tokens=tokens))
+    prefetch = plan_prefetch(ctx.request, ctx.sizes,
+                             free_for_blocks(ctx, memory.root_activation_bytes), ctx.loader,
+                             ctx.root)
+    short = max(0, root_need_bytes(ctx, memory, prefetch) - ctx.placement.usable_bytes[ctx.root])
+    if mode == "heads":
+        helper = ctx.helpers[0]
+        need = ctx.sizes.vae_bytes + ctx.sizes.upscaler_bytes + memory.helper_workspace_bytes
+        short += max(0, need - ctx.placement.usable_bytes[helper])
+    step = pass_step(ctx, mode=mode, tokens=tokens, prefetch=prefetch,
+                     helper_weights=memory.helper_weights)
+    return ModeOption(memory=memory, prefetch=prefetch, step=step, shortfall_bytes=short)
+
+
+# ------------------------------------------------------------------ the choice per pass
+def heads_available(ctx: DiTContext, tokens: int) -> str | None:
+    """None when heads mode can run this pass, else why not."""
+    if not ctx.dual.possible:
+        return f"Dual-Sage is off ({ctx.dual.reason})"
+    if tokens < ctx.dual.min_tokens:
+        return f"{tokens:,} tokens are below Dual-Sage's min_tokens ({ctx.dual.min_tokens:,})"
+    return None
+
+
+def decide_modes(ctx: DiTContext) -> ModeDecision:
+    passes, chosen, single = {}, {}, {}
+    for name, tokens in ctx.tokens.items():
+        off = option(ctx, mode="off", tokens=tokens)
+        single[name] = off
+        if not ctx.helpers:
+            chosen[name] = off
+            passes[name] = _pass_parallel(choice=off, off=off, why="one GPU",
+                                          times={"off": off.step.total_s})
+            continue
+        options = {"off": off}
+        heads_why = heads_available(ctx, tokens)
+        if heads_why is None:
+            options["heads"] = option(ctx, mode="heads", tokens=tokens)
+        sequence = option(ctx, mode="sequence", tokens=tokens)
+        if sequence.memory.refusal is None:
+            options["sequence"] = sequence
+        mode, why = _choose(requested=ctx.request.parallel, options=options, sequence=sequence,
+                            heads_why=heads_why)
+        chosen[name] = options[mode]
+        times = {m: o.step.total_s for m, o in options.items()}
+        passes[name] = _pass_parallel(choice=options[mode], off=off, why=why, times=times)
+    heads = ctx.seq_heads if ctx.helpers else (geometry.HEADS,)
+    transport = "none" if not ctx.helpers else ("peer" if ctx.profile.link.peer_access
+                                                else "host")
+    parallel = ParallelPlan(requested=ctx.request.parallel, row_weights=ctx.row_weights,
+                            head_split=heads, transport=transport, passes=passes)
+    return ModeDecision(parallel=parallel, chosen=chosen, single=single)
+
+
+def _choose(*, requested: str, options: dict[str, ModeOption], sequence: ModeOption,
+            heads_why: str | None) -> tuple[str, str]:
+    refusal = sequence.memory.refusal
+    if requested == "off":
+        return "off", "switched off"
+    if requested == "sequence":
+        if refusal is None:
+            return "sequence", "forced"
+        fallback = "heads" if "heads" in options else "off"
+        return fallback, f"sequence refused: {refusal}"
+    if requested == "heads":
+        if "heads" in options:
+            return "heads", "forced"
+        return "off", f"heads not available: {heads_why}"
+    fitting = {m: o for m, o in options.items() if o.fits}
+    pool = fitting or options
+    if fitting:
+        mode = min(pool, key=lambda m: pool[m].step.total_s)
+        off = options["off"]
+        if mode != "off" and off.fits and \
+                off.step.total_s / pool[mode].step.total_s < MARGIN:
+            mode = "off"
+    else:  # nothing fits: the mode closest to fitting (the verdict says what to change)
+        mode = min(pool, key=lambda m: (pool[m].shortfall_bytes, pool[m].step.total_s))
+    words = ", ".join(f"{m} {options[m].step.total_s:.1f}" for m in MODE_ORDER if m in options)
+    why = f"predicted {words} s/it"
+    unfit = [m for m, o in options.items() if not o.fits]
+    if unfit:
+        why += "; " + ", ".join(f"{m} does not fit ({options[m].shortfall_bytes / GiB:.1f} GiB "
+                                f"over)" for m in sorted(unfit))
+    if not fitting:
+        why += "; none fits: the closest"
+    if refusal is not None:
+        why += f"; sequence refused: {refusal}"
+    if heads_why is not None:
+        why += f"; heads not available: {heads_why}"
+    return mode, why
+
+
+def _pass_parallel(*, choice: ModeOption, off: ModeOption, why: str,
+                   times: dict[str, float]) -> PassParallel:
+    m = choice.memory
+    step = choice.step.total_s
+    return PassParallel(mode=m.mode, reason=why, step_time_s=step,
+                        speedup=off.step.total_s / step, helper_weights=m.helper_weights,
+                        root_activation_bytes=m.root_activation_bytes,
+                        helper_activation_bytes=m.helper_activation_bytes,
+                        helper_weight_bytes=m.helper_dit_bytes,
+                        options_s={k: round(v, 2) for k, v in times.items()})
+
+
+# ------------------------------------------------------------------ Dual-Sage's setup
+def plan_dual_sage(*, request: PlanRequest, profile: HardwareProfile, placement: Placement,
+                   rates: tuple[timing.GPURates, ...], tokens: int) -> DualSageSetup:
+    """Whether heads mode is possible here: the split by attention throughput, the length it
+    pays from, and (auto) whether it speeds up attention at PASS2's length at all."""
+    none = (geometry.HEADS,)
+    if not placement.helpers:
+        return DualSageSetup(possible=False, split=none, min_tokens=0, transport="none",
+                             reason="one GPU: nothing to shard onto")
+    if request.dual_sage == "off":
+        return DualSageSetup(possible=False, split=none, min_tokens=0, transport="none",
+                             reason="switched off")
+    root = rates[placement.root]
+    helpers = [rates[h] for h in placement.helpers]
+    split = timing.split_heads_by_throughput([root.attention_tflops]
+                                             + [h.attention_tflops for h in helpers])
+    link = profile.link
+    transport = "peer" if link.peer_access else "host"
+    single = timing.attention_s(tokens, root)
+    gain = single / timing.dual_sage_attention_s(tokens, root, helpers, link, split)
+    min_tokens = timing.choose_min_tokens(root, helpers, link, split)
+    words = (f"attention {gain:.2f}x at {tokens:,} tokens over the {transport} link at "
+             f"{link.helper_gbs:.0f} GB/s; calls below {min_tokens:,} tokens stay on the root")
+    if request.dual_sage == "on" or gain >= MARGIN:
+        return DualSageSetup(possible=True, split=split, min_tokens=min_tokens,
+                             transport=transport, reason=words)
+    return DualSageSetup(possible=False, split=none, min_tokens=min_tokens, transport=transport,
+                         reason=f"would run attention at only {gain:.2f}x over the "
+                                f"{transport} link at {link.helper_gbs:.0f} GB/s")
