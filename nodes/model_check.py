@@ -22,7 +22,7 @@ import contextlib
 import os
 from typing import Any
 
-from .checkpoint_check import FORMATS, H3_DIT_FILE, check_dit_file
+from ..planner.checkpoint_check import FORMATS, H3_DIT_FILE, check_dit_file
 
 # torch storage dtype (as str(dtype) writes it) -> how a safetensors header names it
 _STORED = {"torch.int8": {"I8"}, "torch.uint8": {"U8"}, "torch.float8_e4m3fn": {"F8_E4M3", "U8"},

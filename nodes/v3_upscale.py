@@ -21,7 +21,7 @@ from comfy_api.latest import io
 
 from ..geometry import MAX_CANVAS_SIDE as SIZE_MAX
 from ..geometry import validate_canvas
-from .checkpoint_check import read_checkpoint
+from ..planner.checkpoint_check import read_checkpoint
 from .comfy_types import CATEGORY, LatentUpscaleModel
 from .status import CORE_UPSCALE as CORE_UPSCALE_NODE
 

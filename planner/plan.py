@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import geometry
 from .attention import AttentionChoice, missing_kernel_notes, resolve_attention
+from .checkpoint_check import check_dit_file
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, checkpoint_attention
 from .components import dit_sizes_from_file as _dit_sizes_from_file
 from .decode import DecodePlan
@@ -191,6 +192,7 @@ def _resolve_profile(profile: str | HardwareProfile) -> HardwareProfile:
 def _sizes(request: PlanRequest) -> ComponentSizes:
     sizes = bf16_sizes(OFFICIAL) if request.dit_dtype == "bf16" else OFFICIAL
     if request.dit_file:
+        check_dit_file(request.dit_file)  # a truncated, mislabelled or foreign file: refused
         sizes = _dit_sizes_from_file(request.dit_file, sizes)
     # LoRA weights scale with the rank: the built-in size is the turbo LoRA's, at rank 128
     return replace(sizes, lora_bytes=sizes.lora_bytes * request.lora_rank // TURBO_LORA_RANK)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from h3_multigpu.nodes import checkpoint_check as cc
+from h3_multigpu.planner import checkpoint_check as cc
 from h3_multigpu.nodes.model_check import check_h3_model, h3_model_problem, model_file
 from h3_multigpu.twin import TwinPatcher
 
@@ -217,3 +217,16 @@ def test_the_node_checks_the_file_its_model_came_from(tmp_path, tiny_twin):
         check_h3_model(model)
     check_h3_model(Loaded(model.model, str(write(tmp_path / "good.safetensors", mini_dit()))))
     check_h3_model(Loaded(model.model, str(tmp_path / "moved_since.safetensors")))  # gone: skip
+
+
+def test_plan_refuses_a_truncated_dit_file_before_planning(dit, capsys):
+    """`h3-multigpu plan --dit-file` reads the header first: a cut-off download is exit 2 with
+    the file named, not a plan made from the sizes of a broken file."""
+    from h3_multigpu.cli import main
+
+    raw = dit.read_bytes()
+    dit.write_bytes(raw[: len(raw) - 100])
+    code = main(["plan", "--profile", "2xR9700", "--dit-file", str(dit)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert str(dit) in err and "download it again" in err

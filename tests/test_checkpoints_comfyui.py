@@ -62,7 +62,7 @@ def comfyui_load(path: Path):
 
 def test_a_truncated_dit_comfyui_says_incomplete_metadata_the_pack_says_which_file(
         int8_state_dict, tmp_path):
-    from h3_multigpu.nodes.checkpoint_check import CheckpointError, check_dit_file
+    from h3_multigpu.planner.checkpoint_check import CheckpointError, check_dit_file
 
     path = save(int8_state_dict, tmp_path / "minimax_h3_int8.safetensors")
     path.write_bytes(path.read_bytes()[:-4096])
@@ -90,8 +90,8 @@ def _quant(conf) -> torch.Tensor:
 ])
 def test_unreadable_comfy_quant_fails_in_comfyuis_words_and_the_pack_names_layer_and_file(
         int8_state_dict, tmp_path, conf, comfyui_raises, pack_says):
-    from h3_multigpu.nodes.checkpoint_check import CheckpointError, check_dit_file
     from h3_multigpu.nodes.model_check import comfy_formats
+    from h3_multigpu.planner.checkpoint_check import CheckpointError, check_dit_file
 
     sd = dict(int8_state_dict)
     sd["blocks.0.mlp.fc1.comfy_quant"] = _quant(conf)
@@ -106,8 +106,8 @@ def test_unreadable_comfy_quant_fails_in_comfyuis_words_and_the_pack_names_layer
 
 def test_metadata_that_mislabels_int8_as_fp8_loads_in_comfyui_and_the_h3_node_refuses_it(
         int8_state_dict, tmp_path):
-    from h3_multigpu.nodes.checkpoint_check import CheckpointError
     from h3_multigpu.nodes.model_check import check_h3_model, model_file
+    from h3_multigpu.planner.checkpoint_check import CheckpointError
 
     sd = dict(int8_state_dict)
     sd["blocks.1.attn.qkv_proj.comfy_quant"] = _quant({"format": "float8_e4m3fn"})
@@ -151,8 +151,8 @@ def test_the_upscaler_loader_names_a_truncated_file_before_comfyui_reads_it(comf
     from safetensors.torch import save_file
     from test_upscale import small_state_dict
 
-    from h3_multigpu.nodes.checkpoint_check import CheckpointError
     from h3_multigpu.nodes.v3_upscale import load_upscaler_patcher
+    from h3_multigpu.planner.checkpoint_check import CheckpointError
 
     path = tmp_path / "up.safetensors"
     save_file({k: v.contiguous() for k, v in small_state_dict().items()}, str(path))
@@ -168,8 +168,8 @@ def test_the_upscaler_loader_names_a_truncated_file_before_comfyui_reads_it(comf
 
 
 def test_comfyuis_own_quantization_formats_are_the_ones_checked(comfyui):
-    from h3_multigpu.nodes.checkpoint_check import FORMATS
     from h3_multigpu.nodes.model_check import comfy_formats
+    from h3_multigpu.planner.checkpoint_check import FORMATS
 
     formats = comfy_formats()
     assert formats["int8_tensorwise"] == (frozenset({"I8"}), frozenset({"weight_scale"}))
@@ -224,8 +224,8 @@ def test_the_official_full_size_int8_layout_passes_whole_in_a_moment(comfyui, tm
         dit_layout,
     )
 
-    from h3_multigpu.nodes.checkpoint_check import check_dit_file, h3_dit_layout
     from h3_multigpu.nodes.model_check import comfy_formats
+    from h3_multigpu.planner.checkpoint_check import check_dit_file, h3_dit_layout
 
     shape = DiTShape.full()
     quantized = {f"blocks.{i}.{lin}" for i in range(shape.blocks) for lin in
