@@ -60,7 +60,9 @@ def test_streamed_int8_blocks_are_used_in_their_slots_without_copies(weight_copi
     import comfy.model_management as mm
 
     base = make_tiny_h3(CFG, seed=0, load_device=DEV)
-    assert not base.is_dynamic()  # the legacy loader
+    if base.is_dynamic():
+        pytest.skip("the legacy loader's streaming; this session runs DynamicVRAM "
+                    "(H3_DYNAMIC_VRAM=1)")
     data = inputs()
     ref = run_like_sampler(base, data, sigmas=SIGMAS)
     assert weight_copies == []  # stock ComfyUI: every weight on the GPU, used as it is
