@@ -32,8 +32,8 @@ All of the above is for plain weights. The floors are per weight format (`h3_ops
 reads it off each linear's weight; `FORMAT_RULES` here):
 - INT8 ConvRot (`TensorWiseINT8Layout` with convrot) quantizes activations per row and
   accumulates in int32: on NVIDIA GPUs (comfy-kitchen's CUDA `int8_linear`) any row slice is
-  bit-identical, so neither the table nor the 4,096-row rule applies to its GEMM there (base 1
-  row); an on-activation adapter's own GEMMs are plain ones and keep the plain rules. On the CPU
+  bit-identical (the fused SwiGLU fc2 from 2 rows, measured on an H200), so neither the table
+  nor the 4,096-row rule applies to its GEMM there (base 1 row, fc2 2); an on-activation adapter's own GEMMs are plain ones and keep the plain rules. On the CPU
   (comfy-kitchen's eager kernel) it keeps the CPU rule: measured bit-identical at 1-4,096 rows
   with bf16 activations, but with fp32 ones (what ComfyUI computes on a CPU) slices of 1-3 rows
   differ single-threaded and of up to 11 rows with 2 threads. Other GPUs (ROCm): not measured.
@@ -61,9 +61,10 @@ ANY, TABLE, UNKNOWN, NEVER = "any", "table", "unknown", "never"
 # weight format -> (what row slices of its GEMM do, why)
 FORMAT_RULES: dict[str, tuple[str, str]] = {
     INT8_CONVROT: (ANY, "INT8 ConvRot quantizes activations per row and accumulates in int32: "
-                        "row slices are bit-identical at any row count on NVIDIA GPUs (measured: "
-                        "comfy-kitchen's CUDA int8_linear on H200, 1-8,192 rows, fused SwiGLU "
-                        "fc2 too)"),
+                        "row slices are bit-identical at any row count on NVIDIA GPUs, the fused "
+                        "SwiGLU fc2 from 2 rows (measured: comfy-kitchen 0.2.31's CUDA "
+                        "int8_linear on H200, 1-8,192-row slices of 3,320- and 16,640-row calls; "
+                        "a 1-row fc2+swiglu slice differs)"),
     "int8": (UNKNOWN, "INT8 weights without ConvRot: no row floor measured"),
     "fp8": (UNKNOWN, "FP8 weights (static input scale, fp32-accumulating _scaled_mm): no row "
                      "floor measured"),
@@ -71,6 +72,9 @@ FORMAT_RULES: dict[str, tuple[str, str]] = {
     "nvfp4_dynamic": (NEVER, "NVFP4 weights without input_scale scale the activations over the "
                              "whole tensor: a row slice changes the scale and the result"),
 }
+# INT8 ConvRot's fused SwiGLU fc2 (ComfyUI's linear_input_act): a 1-row slice differed on an
+# H200 (docs/results/int8_chunk_exactness.json); 2 rows and more were bit-identical
+INT8_FUSED_FC2_MIN_ROWS = 2
 # H3's chunked phases and the linears each runs with its row chunk
 PHASE_LINEARS = {"qkv": ("qkv_proj", "out_proj"), "ffn": ("fc1", "fc2")}
 LINEARS = ("qkv_proj", "out_proj", "fc1", "fc2")
@@ -196,8 +200,11 @@ def linear_rule(table: GemmTable | None, name: str, k: int, n: int, ranks: tuple
         return PhaseRule(None, f"{name}: {why}", never=kind == NEVER)
     floor, reason = linear_floor(table, name, k, n, ranks, where=where, gpu=gpu,
                                  base_gemm=kind == TABLE)
-    # the INT8 GEMM itself needs no rows; an adapter's plain GEMMs keep the generic rule
-    base = 1 if kind == ANY and not ranks else None
+    # the INT8 GEMM itself needs no rows (its fused SwiGLU fc2 two); an adapter's plain GEMMs
+    # keep the generic rule
+    base = None
+    if kind == ANY and not ranks:
+        base = INT8_FUSED_FC2_MIN_ROWS if name == "fc2" else 1
     return PhaseRule(floor, reason, base)
 
 

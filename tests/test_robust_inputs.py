@@ -123,7 +123,8 @@ def test_dit_file_that_is_a_directory_is_named_as_one(tmp_path, capsys):
     with pytest.raises(ValueError, match="is a directory"):
         read_safetensors_tensor_bytes(folder)
     assert main(["plan", "--profile", "2xH200", "--dit-file", str(folder)]) == 2
-    assert f"'{folder}' is a directory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{folder}: is a folder; give the H3 DiT's .safetensors file inside it" in err
 
 
 def test_numpy_integer_widths_are_accepted():
