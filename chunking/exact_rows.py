@@ -33,7 +33,8 @@ reads it off each linear's weight; `FORMAT_RULES` here):
 - INT8 ConvRot (`TensorWiseINT8Layout` with convrot) quantizes activations per row and
   accumulates in int32: on NVIDIA GPUs (comfy-kitchen's CUDA `int8_linear`) any row slice is
   bit-identical (the fused SwiGLU fc2 from 2 rows, measured on an H200), so neither the table
-  nor the 4,096-row rule applies to its GEMM there (base 1 row, fc2 2); an on-activation adapter's own GEMMs are plain ones and keep the plain rules. On the CPU
+  nor the 4,096-row rule applies to its GEMM there (base 1 row, fc2 2); an on-activation
+  adapter's own GEMMs are plain ones and keep the plain rules. On the CPU
   (comfy-kitchen's eager kernel) it keeps the CPU rule: measured bit-identical at 1-4,096 rows
   with bf16 activations, but with fp32 ones (what ComfyUI computes on a CPU) slices of 1-3 rows
   differ single-threaded and of up to 11 rows with 2 threads. Other GPUs (ROCm): not measured.
