@@ -53,9 +53,11 @@ def _enable_dynamic_vram():
 def dynamic(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("DynamicVRAM needs a CUDA GPU")
-    if "comfy.model_management" in sys.modules:
-        pytest.skip("run this file in its own pytest process: DynamicVRAM must be switched on "
-                    "before comfy.model_management is imported")
+    memory = sys.modules.get("comfy.memory_management")
+    if "comfy.model_management" in sys.modules and not getattr(memory, "aimdo_enabled", False):
+        pytest.skip("run this file in its own pytest process, or the session with "
+                    "H3_DYNAMIC_VRAM=1: DynamicVRAM must be switched on before "
+                    "comfy.model_management is imported")
     sys.path.insert(0, os.environ["COMFYUI_PATH"])
     _enable_dynamic_vram()
     import folder_paths
