@@ -1,7 +1,8 @@
 """Activation chunking for the H3 DiT: FFN/QKV row chunks and head-group attention, exact.
 
-`apply_activation_chunking(model_patcher, ChunkingConfig(...))` patches each DiT block's forward
-so the big per-block intermediates (fc1 output, SwiGLU product, qkv LoRA/bypass outputs,
+`apply_activation_chunking(model_patcher, ChunkingConfig(...))` runs upstream's own block with
+its QKV/out projections and MLP on row chunks and its attention in head groups (`wrappers`), so
+the big per-block intermediates (fc1 output, SwiGLU product, qkv LoRA/bypass outputs,
 attention temporaries) are chunk-sized; `sizing` predicts the resulting peaks without torch.
 The config and sizing names import without torch (the planner uses them); the torch-side names
 load on first use.
@@ -29,16 +30,12 @@ from .sizing import (
 )
 
 _TORCH_NAMES = {
-    "ActivationAdapterHook": "adapters",
-    "ActivationLoRA": "adapters",
-    "attach_activation_lora": "adapters",
     "apply_activation_chunking": "apply",
-    "ChunkedBlockForward": "block",
-    "ChunkingReport": "block",
-    "RowPlan": "block",
-    "clip_segments": "block",
-    "free_device_bytes": "block",
-    "project_rows": "block",
+    "get_chunking": "apply",
+    "BlockChunker": "wrappers",
+    "ChunkingReport": "report",
+    "RowPlan": "report",
+    "free_device_bytes": "wrappers",
 }
 
 

@@ -1,4 +1,4 @@
-"""`apply_activation_chunking`: clone the patcher, patch each DiT block's forward method."""
+"""`apply_activation_chunking`: clone the patcher; upstream's block runs on row chunks."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ from typing import Any
 
 import torch
 
+from ..comfy_seam import names, protocol
 from ..guard.device import guard_diffusion_model
-from .block import ChunkedBlockForward, ChunkingReport, block_floors, block_linears
 from .config import ChunkingConfig
-from .h3_ops import block_adapter_ranks
+from .formats import block_adapter_ranks, block_floors, block_linears
+from .report import ChunkingReport
+from .wrappers import WRAPPED, BlockChunker, ChunkingRuntime, HeadGroups
 
-_BLOCK_PARTS = ("norm1", "norm2", "adaln_proj", "attn.qkv_proj", "attn.out_proj", "attn.q_norm",
-                "attn.k_norm", "mlp.fc1", "mlp.fc2")
+_BLOCK_PARTS = (*WRAPPED, "attn.q_norm", "attn.k_norm", "mlp.fc1", "mlp.fc2")
 
 
 def _has(obj: Any, dotted: str) -> bool:
@@ -24,20 +25,20 @@ def _has(obj: Any, dotted: str) -> bool:
 
 
 def apply_activation_chunking(model_patcher: Any, config: ChunkingConfig) -> Any:
-    """A clone of `model_patcher` whose H3 DiT blocks run FFN/QKV row chunks and head groups.
+    """A clone of `model_patcher` whose H3 DiT blocks run their QKV/out projections and MLP on
+    row chunks and their attention in head groups (`chunking.wrappers`).
 
-    Installs `diffusion_model.blocks.N.forward` object patches (methods, never modules, so
-    weight and LoRA keys are untouched) through the patcher's public `add_object_patch`, and the
-    DiT device guard (`nodes.device_guard`); works on ComfyUI's ModelPatcher and on the twin's
-    `TwinPatcher`. Attention still goes through the H3
-    module's `optimized_attention`, so attention overrides (Dual-Sage) apply per head group.
-    Everything is checked before the clone is patched: a `ValueError` names the problem.
+    Installs through the seam (`comfy_seam.protocol`): a DIFFUSION_MODEL wrapper that wraps the
+    chunked blocks' `attn.qkv_proj`, `attn.out_proj` and `mlp` forwards for each DiT forward,
+    the head-group attention override (chained with any other) when head groups are asked for,
+    and the DiT device guard; the blocks' own forward, weights and state-dict keys are
+    untouched. Works on ComfyUI's ModelPatcher and on the twin's `TwinPatcher`. Everything is
+    checked before the clone is patched: a `ValueError` names the problem.
     """
     if not isinstance(config, ChunkingConfig):
         raise ValueError(f"config must be a ChunkingConfig, got {type(config).__name__}; build "
                          f"one with ChunkingConfig(...) or ChunkingConfig.from_strings(...)")
-    patcher = model_patcher.clone()
-    diffusion_model = patcher.get_model_object("diffusion_model")
+    diffusion_model = model_patcher.get_model_object("diffusion_model")
     blocks = getattr(diffusion_model, "blocks", None)
     if blocks is None or len(blocks) == 0:
         raise ValueError(f"{type(diffusion_model).__name__} has no DiT blocks; activation "
@@ -51,35 +52,44 @@ def apply_activation_chunking(model_patcher: Any, config: ChunkingConfig) -> Any
         if missing:
             raise ValueError(f"block {index} ({type(blocks[index]).__name__}) lacks "
                              f"{', '.join(missing)}: activation chunking needs a MiniMax H3 DiT")
-        key = f"diffusion_model.blocks.{index}.forward"
-        existing = getattr(patcher, "object_patches", {}).get(key)
-        if existing is not None and not isinstance(existing, ChunkedBlockForward):
-            raise ValueError(f"{key} is already patched by {type(existing).__name__}; chunking "
-                             f"replaces the block forward, so other features must wrap blocks "
-                             f"through block-replace patches or wrappers instead")
+    # applied again (a second node, new settings): the new settings replace the old ones
+    patcher = protocol.remove(model_patcher, "chunking") if protocol.has(
+        model_patcher, "chunking") else model_patcher.clone()
     heads = getattr(getattr(blocks[0], "attn", None), "heads", None)
     heads = heads if isinstance(heads, int) else None
     report = ChunkingReport(config, len(blocks), heads, _apply_time_floors(
         patcher, [blocks[i] for i in indices]))
+    runtime = ChunkingRuntime()
+    hooks = []
     if config.active_with(heads):
-        for index in indices:
-            patcher.add_object_patch(f"diffusion_model.blocks.{index}.forward",
-                                     ChunkedBlockForward(blocks[index], config, report))
-    options = patcher.model_options.setdefault("transformer_options", {})
-    status = {**options.get("h3_multigpu", {}), "chunking": report.line()}
-    options["h3_multigpu"] = status
-    # the block forwards rewrite the line once they know what ran (adapters ComfyUI injects
+        runtime.chunkers = {i: BlockChunker(blocks[i], config, report, runtime) for i in indices}
+        hooks.append(protocol.wrapper(names.DIFFUSION_MODEL, runtime.diffusion_model_wrapper()))
+        if config.head_group:
+            hooks.append(protocol.override(lambda previous: HeadGroups(runtime, previous)))
+    hooks.append(protocol.attachment(names.CHUNKING_KEY, runtime))
+    protocol.install(patcher, "chunking", *hooks)
+    options = protocol.options(patcher)
+    status = {**options.get(names.STATUS_KEY, {}), "chunking": report.line()}
+    options[names.STATUS_KEY] = status
+    # the wrapped forwards rewrite the line once they know what ran (adapters ComfyUI injects
     # at load, "auto"'s choices): in this patcher's options, and in the copy of each run
     report.sinks.append(status)
-    # the chunked blocks call comfy-kitchen and the bypass adapters like the plain ones: they
-    # must run with the DiT's GPU current, whatever ComfyUI left current
+    # upstream's modules call comfy-kitchen and the bypass adapters: they must run with the
+    # DiT's GPU current, whatever ComfyUI left current
     return guard_diffusion_model(patcher)
+
+
+def get_chunking(model_patcher: Any) -> ChunkingRuntime | None:
+    """The chunking runtime applied to a patcher (its blocks' chunkers), if any."""
+    attachments = getattr(model_patcher, "attachments", None) or {}
+    runtime = attachments.get(names.CHUNKING_KEY)
+    return runtime if isinstance(runtime, ChunkingRuntime) else None
 
 
 def _apply_time_floors(patcher: Any, blocks: list[torch.nn.Module]):
     """The row floors the blocks have now, on the patcher's load device: the adapters injected
     on the modules at this moment (the twin's; ComfyUI injects its bypass adapters at load,
-    and the forwards look again), every block's ranks together."""
+    and the wrappers look again), every block's ranks together."""
     from . import sizing
 
     if not blocks:
@@ -88,7 +98,7 @@ def _apply_time_floors(patcher: Any, blocks: list[torch.nn.Module]):
     linears = block_linears(first)
     ranks: dict[str, tuple[int, ...]] = {name: () for name in linears}
     for block in blocks:
-        for name, found in block_adapter_ranks(block, block_linears(block)).items():
+        for name, found in block_adapter_ranks(block).items():
             ranks[name] = tuple(sorted({*ranks[name], *found}))
     device = torch.device(getattr(patcher, "load_device", None) or "cpu")
     weight = getattr(first.attn.qkv_proj, "weight", None)

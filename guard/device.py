@@ -7,7 +7,8 @@ device index`, the unpatched H3 DiT on cuda:1), Triton launches on it, and Comfy
 (on-activation) LoRA moves its adapter weights to `model_management.get_torch_device()`, the
 current device, when the patcher injects them during loading.
 
-Seams, all public ComfyUI hooks:
+Seams, all public ComfyUI hooks, installed through `comfy_seam.protocol` (feature "guard",
+outermost in its ORDER):
 - DiT: an OUTER_SAMPLE wrapper keeps the patcher's load device current for the whole sampling
   run (loading and bypass injection, the token refiner that runs in `extra_conds`, every step),
   and a DIFFUSION_MODEL wrapper does the same for each DiT forward from the device of its input
@@ -26,10 +27,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-GUARD_KEY = "h3_multigpu.device_guard"
-# ComfyUI's WrappersMP names (comfy.patcher_extension), spelled out so this imports without it
-OUTER_SAMPLE = "outer_sample"
-DIFFUSION_MODEL = "diffusion_model"
+from ..comfy_seam import names, protocol
+
 TEXT_ENCODER_METHODS = ("encode_token_weights",)
 VAE_METHODS = ("encode", "decode")
 
@@ -83,36 +82,24 @@ def diffusion_model_guard(executor, *args, **kwargs):
         return executor(*args, **kwargs)
 
 
-_WRAPPERS: dict[str, Callable] = {OUTER_SAMPLE: outer_sample_guard,
-                                  DIFFUSION_MODEL: diffusion_model_guard}
-
-
-def _wrapper_table(patcher: Any) -> dict[str, dict[str, list]]:
-    """The patcher's wrappers by type: ModelPatcher.wrappers, or the twin's transformer_options."""
-    table = getattr(patcher, "wrappers", None)
-    if isinstance(table, dict):
-        return table
-    options = patcher.model_options.setdefault("transformer_options", {})
-    return options.setdefault("wrappers", {})
+_WRAPPERS: dict[str, Callable] = {names.OUTER_SAMPLE: outer_sample_guard,
+                                  names.DIFFUSION_MODEL: diffusion_model_guard}
 
 
 def has_device_guard(patcher: Any) -> bool:
-    table = _wrapper_table(patcher)
-    return all(table.get(kind, {}).get(GUARD_KEY) for kind in _WRAPPERS)
+    return all(protocol.wrappers_of(patcher, kind, "guard") for kind in _WRAPPERS)
 
 
 def guard_diffusion_model(patcher: Any) -> Any:
     """Install the DiT device guard on `patcher` (in place; pass a clone) and return it.
 
     Idempotent: a patcher that already has it (a feature installed it before) is unchanged.
-    The guard is moved to the front of each wrapper list so it encloses every other wrapper.
+    The seam orders it outermost, so it encloses every other wrapper.
     """
-    table = _wrapper_table(patcher)
-    for kind, fn in _WRAPPERS.items():
-        by_key = table.get(kind, {})
-        mine = by_key.get(GUARD_KEY) or [fn]
-        table[kind] = {GUARD_KEY: mine, **{k: v for k, v in by_key.items() if k != GUARD_KEY}}
-    return patcher
+    if has_device_guard(patcher):
+        return patcher
+    return protocol.install(patcher, "guard", *(protocol.wrapper(kind, fn)
+                                                for kind, fn in _WRAPPERS.items()))
 
 
 class DeviceGuardedMethod:
@@ -142,7 +129,8 @@ def _guard_methods(patcher: Any, names: tuple[str, ...], device: Any) -> int:
             current = current.original  # placed again on another GPU: re-target, never nest
         if not callable(current):
             continue
-        patcher.add_object_patch(name, DeviceGuardedMethod(current, device))
+        protocol.install(patcher, "guard",
+                         protocol.object_patch(name, DeviceGuardedMethod(current, device)))
         guarded += 1
     return guarded
 

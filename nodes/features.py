@@ -217,7 +217,7 @@ def _prefetch_for_loader(model: Any, plan: Any, wanted: dict[str, str] | str
     """The prefetch entry for the loader this model really runs with: a DynamicVRAM model is
     streamed by ComfyUI (its line says how), and a plan that left streaming to DynamicVRAM
     cannot stream a legacy model."""
-    from ..offload.comfy_memory import dynamic_vram_line, is_dynamic
+    from ..comfy_seam.memory import dynamic_vram_line, is_dynamic
 
     pre = plan.prefetch
     if is_dynamic(model):

@@ -47,7 +47,7 @@ def comfy_loader_inputs(devices: str, patcher: Any = None) -> dict[str, Any]:
     that profile's defaults. Empty outside ComfyUI."""
     if devices != "auto":
         return {}
-    from ..offload.comfy_memory import comfy_pin_budget, dynamic_vram_enabled, is_dynamic
+    from ..comfy_seam.memory import comfy_pin_budget, dynamic_vram_enabled, is_dynamic
 
     out: dict[str, Any] = {}
     dynamic = is_dynamic(patcher) if patcher is not None else dynamic_vram_enabled()

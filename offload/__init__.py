@@ -5,7 +5,7 @@ a budget, a staging ring beyond), `slots` (the device slot ring). When it moves:
 (begin/end hooks around each streamed block, copies on a side stream ordered by events), with
 `engine` (CUDA/ROCm streams or synchronous CPU copies). Which blocks stream: `policy`. Sizes for
 the planner, torch-free: `sizing`. ComfyUI seam: `apply`; ComfyUI's memory (free VRAM, its pin
-budget, DynamicVRAM) through `comfy_memory`, which the other features ask too. Under ComfyUI's
+budget, DynamicVRAM) through `comfy_seam.memory`, which the other features ask too. Under ComfyUI's
 DynamicVRAM the prefetcher stands aside (ComfyUI streams); it serves the legacy loader.
 """
 

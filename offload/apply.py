@@ -23,7 +23,7 @@ With ComfyUI's DynamicVRAM (a dynamic patcher) the model's weights are already s
 ComfyUI (its VBAR per device, its one-block prefetch, its pins), and the prefetcher stands
 aside; the status line describes what ComfyUI does instead. On the legacy loader (ROCm below
 7.14, --disable-dynamic-vram / --highvram / --gpu-only / --novram / --cpu, older ComfyUI) the
-prefetcher streams, its host copies pinned within ComfyUI's pin budget (`comfy_memory`).
+prefetcher streams, its host copies pinned within ComfyUI's pin budget (`comfy_seam.memory`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from . import policy, sizing
-from .comfy_memory import (
+from ..comfy_seam.memory import (
     comfy_pin_budget,
     dynamic_vram_line,
     free_vram_bytes,

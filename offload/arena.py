@@ -7,7 +7,7 @@ through the `StagingRing`: two pinned buffers that a worker thread fills ahead o
 
 Page locking registers a page-aligned allocation of the block's size in place (torch's pinned
 allocator rounds every allocation up to a power of two: 1 GiB for a 735 MiB block). Inside
-ComfyUI it goes through ComfyUI's own `pin_memory` (`comfy_memory.pin_host`), so the bytes are
+ComfyUI it goes through ComfyUI's own `pin_memory` (`comfy_seam.memory.pin_host`), so the bytes are
 booked in ComfyUI's pin budget (`TOTAL_PINNED_MEMORY` within `MAX_PINNED_MEMORY`) and refused
 past it; outside ComfyUI through `cudaHostRegister` (CUDA and, under the same name, ROCm). A
 refused registration falls back to a pageable, staged buffer, never to an error.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .comfy_memory import pin_host, unpin_host
+from ..comfy_seam.memory import pin_host, unpin_host
 from .engine import CopyEngine
 
 log = logging.getLogger(__name__)

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from ..chunking import exact_rows
-from ..chunking.block import device_name, is_nvidia, linear_shape
-from ..chunking.h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
+from ..chunking.formats import device_name, is_nvidia, linear_shape
+from .h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
-from ..offload.comfy_memory import free_vram_bytes
+from ..comfy_seam.memory import free_vram_bytes
 from . import sizing
 from .runner import SequenceRunner, SplitState, device_current
 from .split import SequenceSplit

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from ..chunking.block import clip_segments, project_rows
-from ..chunking.h3_ops import H3Ops
+from .h3_ops import clip_segments, project_rows
+from .h3_ops import H3Ops
 from ..chunking.sizing import row_chunks
 from ..exchange.links import Link, keep_until_used
 from ..exchange.streams import current_stream, record, wait

@@ -33,7 +33,7 @@ from h3_multigpu.nodes.placement import placement_from_plan
 from h3_multigpu.nodes.planning import comfy_loader_inputs, make_plan
 from h3_multigpu.nodes.status import compose_status
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
-from h3_multigpu.offload.comfy_memory import free_vram_bytes
+from h3_multigpu.comfy_seam.memory import free_vram_bytes
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu]
 

@@ -9,17 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3_multigpu.chunking import (
-    ChunkingConfig,
-    apply_activation_chunking,
-    attach_activation_lora,
-    clip_segments,
-    project_rows,
-    sizing,
-)
-from h3_multigpu.chunking.block import ChunkedBlockForward
-from h3_multigpu.chunking.h3_ops import activation_adapters
+from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking, sizing
+from h3_multigpu.chunking.formats import activation_adapters
+from h3_multigpu.chunking.wrappers import project_rows
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
+from h3_multigpu.twin.adapters import attach_activation_lora
 
 BF16 = torch.bfloat16
 
@@ -69,9 +64,15 @@ def test_chunked_model_is_bit_identical(bf16_twin, bf16_inputs, config, lora):
     patched = apply_activation_chunking(base, config)
     out = patched.apply_model(*bf16_inputs)
     assert _equal(out, reference)
-    runs = [patched.object_patches[f"diffusion_model.blocks.{i}.forward"].last_chunks
-            for i in range(len(bf16_twin.blocks))]
+    chunkers = get_chunking(patched).chunkers
+    runs = [chunkers[i].last_chunks for i in range(len(bf16_twin.blocks))]
     assert runs == [(config.ffn_chunk, config.qkv_chunk, config.head_group)] * 3
+    # engaged: each wrapped module ran once per row chunk of its phase
+    rows = sizing.row_chunks
+    for chunker in chunkers.values():
+        assert chunker.calls == {"attn.qkv_proj": len(rows(44, config.qkv_chunk)),
+                                 "attn.out_proj": len(rows(44, config.qkv_chunk)),
+                                 "mlp": len(rows(44, config.ffn_chunk))}
 
 
 def test_lora_changes_the_output(bf16_twin, bf16_inputs):
@@ -85,15 +86,28 @@ def test_lora_changes_the_output(bf16_twin, bf16_inputs):
 
 
 def test_big_linears_only_ever_see_chunk_rows(bf16_twin, bf16_inputs):
+    """The module forwards the wrappers find at call time (an adapter's, or one a test puts
+    there like any instance forward) run on chunk rows only: the wrappers are outermost."""
     _with_lora(bf16_twin)
     block = bf16_twin.blocks[1]
     rows: dict[str, list[int]] = {}
-    for name, module in (("qkv", block.attn.qkv_proj), ("out", block.attn.out_proj),
-                         ("fc1", block.mlp.fc1), ("fc2", block.mlp.fc2)):
+    adapter = block.attn.qkv_proj.forward.__self__.adapter
+
+    def counting(name, module):
+        inner = module.forward  # the bypass adapter's forward where one is attached
+
+        def forward(x):
+            rows.setdefault(name, []).append(x.shape[0])
+            return inner(x)
+
+        module.forward = forward
+
+    for name, module in (("qkv", block.attn.qkv_proj), ("out", block.attn.out_proj)):
+        counting(name, module)
+    for name, module in (("fc1", block.mlp.fc1), ("fc2", block.mlp.fc2)):
         module.register_forward_pre_hook(
             lambda _m, args, name=name: rows.setdefault(name, []).append(args[0].shape[0]))
     down_rows = []
-    adapter = block.attn.qkv_proj.forward.__self__.adapter
     original_h = adapter.h
     adapter.h = lambda x, base: (down_rows.append(x.shape[0]), original_h(x, base))[1]
     config = ChunkingConfig(ffn_chunk=10, qkv_chunk=6, head_group=3)
@@ -103,6 +117,9 @@ def test_big_linears_only_ever_see_chunk_rows(bf16_twin, bf16_inputs):
     assert max(rows["fc1"]) <= 10 and sum(rows["fc1"]) == 44
     assert max(rows["fc2"]) <= 10 and sum(rows["fc2"]) == 44
     assert max(down_rows) <= 6 and sum(down_rows) == 44
+    # and the wrappers are gone after the forward: the modules' own forwards are back
+    assert not hasattr(block.mlp.__dict__.get("forward"), "chunker")
+    assert not hasattr(block.attn.qkv_proj.__dict__.get("forward"), "chunker")
 
 
 def test_override_sees_each_head_group_and_output_is_unchanged(bf16_twin, bf16_inputs):
@@ -162,12 +179,42 @@ def test_block_forward_matches_with_per_token_modulation_rows(bf16_twin, tiny_co
     block = bf16_twin.blocks[2]
     x, t_emb, segments, rope = _block_case(bf16_twin, tiny_config, rows_tensor)
     reference = block.forward(x.clone(), t_emb, segments, rope)
-    chunked = ChunkedBlockForward(block, ChunkingConfig(ffn_chunk=11, qkv_chunk=7,
-                                                        head_group=3))
-    assert torch.equal(chunked(x.clone(), t_emb, segments, rope), reference)
+    patched = apply_activation_chunking(TwinPatcher(bf16_twin), ChunkingConfig(
+        ffn_chunk=11, qkv_chunk=7, head_group=3))
+    runtime = get_chunking(patched)
+    options = patched.model_options["transformer_options"]
+    with runtime.wrapped():
+        out = block.forward(x.clone(), t_emb, segments, rope, transformer_options=options)
+    assert torch.equal(out, reference)
+    assert runtime.chunkers[2].calls == {"attn.qkv_proj": 7, "attn.out_proj": 7, "mlp": 4}
+
+
+def test_a_chunk_written_to_the_wrong_rows_is_caught(bf16_twin, bf16_inputs, monkeypatch):
+    """Breaking the wrapper (chunks put back in the wrong row order) changes the output."""
+    from h3_multigpu.chunking import wrappers
+
+    reference = TwinPatcher(bf16_twin).apply_model(*bf16_inputs)
+
+    original = wrappers.project_rows
+
+    def reversed_rows(forward, x, ranges):
+        out = original(forward, x, ranges)
+        if len(ranges) > 1:  # the first chunk's rows and the last chunk's swapped
+            (a0, b0), (a1, b1) = ranges[0], ranges[-1]
+            n = min(b0 - a0, b1 - a1)
+            first = out[a0:a0 + n].clone()
+            out[a0:a0 + n] = out[a1:a1 + n]
+            out[a1:a1 + n] = first
+        return out
+
+    monkeypatch.setattr(wrappers, "project_rows", reversed_rows)
+    patched = apply_activation_chunking(TwinPatcher(bf16_twin), ChunkingConfig(ffn_chunk=7))
+    assert not _equal(patched.apply_model(*bf16_inputs), reference)
 
 
 def test_clip_segments_rebases_and_slices_token_rows():
+    from h3_multigpu.sequence.h3_ops import clip_segments
+
     rows = torch.arange(20, 30)
     segments = [(0, 4, 1), (4, 14, rows), (14, 20, 2)]
     assert clip_segments(segments, 0, 3) == [(0, 3, 1)]
@@ -185,7 +232,7 @@ def test_project_rows_fills_one_buffer_exactly(bf16_twin):
     x = torch.randn(37, linear.in_features, dtype=BF16)
     reference = linear(x)
     for chunk in (1, 5, 36, 37, 0):
-        assert torch.equal(project_rows(linear, x, chunk), reference)
+        assert torch.equal(project_rows(linear, x, sizing.row_chunks(37, chunk, 0)), reference)
 
 
 def test_adapter_hook_matches_comfyui_bypass_math(bf16_twin):
@@ -209,19 +256,18 @@ def test_auto_is_off_on_cpu_and_sized_from_free_memory(bf16_twin, bf16_inputs, m
     reference = base.apply_model(*bf16_inputs)
     patched = apply_activation_chunking(base, ChunkingConfig.from_strings())
     assert _equal(patched.apply_model(*bf16_inputs), reference)
-    forward = patched.object_patches["diffusion_model.blocks.0.forward"]
-    assert forward.last_chunks == (0, 0, 0)
+    assert get_chunking(patched).chunkers[0].last_chunks == (0, 0, 0)
     # a device with almost no free memory: "auto" must chunk every phase, and stay exact; the
     # exactness floors are scaled down to this 44-row, 8-head model (the GPU's are 4096 rows and
     # 1024 query tiles per call: "auto" would not chunk a sequence this short at all)
-    monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 0)
+    monkeypatch.setattr("h3_multigpu.chunking.wrappers.free_device_bytes", lambda device: 0)
     monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
     monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 4)
     config = ChunkingConfig(ffn_chunk="auto", qkv_chunk="auto", head_group="auto",
                             headroom_bytes=0, blocks=(0,))
     patched = apply_activation_chunking(base, config)
     assert _equal(patched.apply_model(*bf16_inputs), reference)
-    ffn, qkv, group = patched.object_patches["diffusion_model.blocks.0.forward"].last_chunks
+    ffn, qkv, group = get_chunking(patched).chunkers[0].last_chunks
     # rows chunked as far as the floor lets them, every realised chunk at least 8 rows; the
     # smallest exact head group (4 of 8 heads, one 64-row query tile each)
     assert 8 <= ffn < 44 and 8 <= qkv < 44 and group == 4
@@ -230,23 +276,33 @@ def test_auto_is_off_on_cpu_and_sized_from_free_memory(bf16_twin, bf16_inputs, m
     monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 1024)
     patched = apply_activation_chunking(base, config)
     patched.apply_model(*bf16_inputs)
-    assert patched.object_patches["diffusion_model.blocks.0.forward"].last_chunks == (0, 0, 0)
+    assert get_chunking(patched).chunkers[0].last_chunks == (0, 0, 0)
 
 
 def test_apply_clones_and_records_status(bf16_twin):
     base = TwinPatcher(bf16_twin)
     patched = apply_activation_chunking(base, ChunkingConfig(ffn_chunk=16384, blocks=(0, 2)))
-    assert base.object_patches == {} and "h3_multigpu" not in base.model_options[
+    assert not protocol.installed(base) and "h3_multigpu" not in base.model_options[
         "transformer_options"]
-    assert sorted(patched.object_patches) == ["diffusion_model.blocks.0.forward",
-                                              "diffusion_model.blocks.2.forward"]
+    assert patched.object_patches == {}  # the blocks' own forwards run
+    assert sorted(get_chunking(patched).chunkers) == [0, 2]
+    assert [(r.feature, r.kind, r.where) for r in protocol.describe(patched)] == [
+        ("guard", "wrapper", "outer_sample"), ("guard", "wrapper", "diffusion_model"),
+        ("chunking", "wrapper", "diffusion_model"), ("chunking", "attachment",
+                                                     "h3_multigpu.chunking")]
     status = patched.model_options["transformer_options"]["h3_multigpu"]["chunking"]
     assert "ffn 16384 rows" in status and "blocks 0,2" in status and "qkv off" in status
     off = apply_activation_chunking(base, ChunkingConfig())
-    assert off.object_patches == {}
+    assert not get_chunking(off).chunkers
     assert off.model_options["transformer_options"]["h3_multigpu"]["chunking"] == "off"
-    again = apply_activation_chunking(patched, ChunkingConfig(qkv_chunk=8))
-    assert len(again.object_patches) == 3
+    # applied again: the new settings replace the old, one chunking wrapper, one override
+    again = apply_activation_chunking(patched, ChunkingConfig(qkv_chunk=8, head_group=4))
+    assert sorted(get_chunking(again).chunkers) == [0, 1, 2]
+    assert len(protocol.wrappers_of(again, "diffusion_model", "chunking")) == 1
+    assert [e.feature for e in protocol.installed(again)] == ["guard", "chunking"]
+    removed = protocol.remove(again, "chunking")
+    assert protocol.override_of(removed) is None
+    assert protocol.wrappers_of(removed, "diffusion_model", "chunking") == []
 
 
 def test_apply_refuses_bad_inputs_before_patching(bf16_twin):
@@ -255,10 +311,6 @@ def test_apply_refuses_bad_inputs_before_patching(bf16_twin):
         apply_activation_chunking(base, {"ffn_chunk": 8})
     with pytest.raises(ValueError, match="block index 3 is out of range"):
         apply_activation_chunking(base, ChunkingConfig(ffn_chunk=8, blocks=(1, 3)))
-    other = base.clone()
-    other.add_object_patch("diffusion_model.blocks.1.forward", lambda *a, **k: None)
-    with pytest.raises(ValueError, match="already patched"):
-        apply_activation_chunking(other, ChunkingConfig(ffn_chunk=8))
     with pytest.raises(ValueError, match="no DiT blocks"):
         apply_activation_chunking(TwinPatcher(torch.nn.Linear(2, 2)), ChunkingConfig())
 
@@ -288,9 +340,9 @@ def test_config_from_strings_and_plan():
 def test_full_config_block_is_recognised_on_meta():
     model = make_twin(TwinConfig.full(blocks=2, refiner_blocks=0), dtype=BF16, device="meta")
     patched = apply_activation_chunking(TwinPatcher(model), ChunkingConfig(ffn_chunk=16384))
-    forward = patched.object_patches["diffusion_model.blocks.1.forward"]
+    chunker = get_chunking(patched).chunkers[1]
     x = torch.empty(100, 5376, dtype=BF16, device="meta")
-    dims = forward.dims(x)
+    dims = chunker.dims(x)
     assert (dims.hidden, dims.heads, dims.head_dim, dims.ffn) == (5376, 56, 128, 14336)
 
 

@@ -138,15 +138,15 @@ def test_a_broken_feature_fails(tiny_config_module, tiny_inputs_module, referenc
     model = make_twin(tiny_config_module, seed=0)
     patched = compose(model, ("dual_sage", "chunking", "prefetch"))
     if broken == "chunk_rows":  # a chunk written one row off
-        from h3_multigpu.chunking import block as chunked_block
+        from h3_multigpu.chunking import wrappers
 
-        original = chunked_block.project_rows
+        original = wrappers.project_rows
 
-        def off_by_one(linear, x, chunk, floor=None):
-            out = original(linear, x, chunk, floor)
-            return torch.roll(out, 1, dims=0) if x.shape[0] > chunk else out
+        def off_by_one(forward, x, ranges):
+            out = original(forward, x, ranges)
+            return torch.roll(out, 1, dims=0) if len(ranges) > 1 else out
 
-        monkeypatch.setattr(chunked_block, "project_rows", off_by_one)
+        monkeypatch.setattr(wrappers, "project_rows", off_by_one)
     elif broken == "head_order":  # shards gathered in the wrong order
         override = patched.model_options["transformer_options"]["optimized_attention_override"]
 

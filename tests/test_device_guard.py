@@ -16,10 +16,8 @@ import torch
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
 from h3_multigpu.guard import device as device_guard
+from h3_multigpu.comfy_seam.names import DIFFUSION_MODEL, GUARD_KEY, OUTER_SAMPLE
 from h3_multigpu.guard.device import (
-    DIFFUSION_MODEL,
-    GUARD_KEY,
-    OUTER_SAMPLE,
     DeviceGuardedMethod,
     guard_diffusion_model,
     guard_text_encoder,
@@ -150,11 +148,13 @@ class _Coder(torch.nn.Module):
 
 
 class _ObjectPatcher:
-    """The ModelPatcher surface the guard uses: get_model_object / add_object_patch."""
+    """The ModelPatcher surface the guard uses: get_model_object / add_object_patch, and the
+    model_options the seam records its installs in."""
 
     def __init__(self, model, load_device):
         self.model, self.load_device = model, load_device
         self.object_patches: dict = {}
+        self.model_options: dict = {}
 
     def get_model_object(self, name):
         if name in self.object_patches:

@@ -21,10 +21,10 @@ from comfyui_h3 import TinyH3Config, make_inputs, make_tiny_h3, run_like_sampler
 from h3_multigpu.offload import (
     PrefetchConfig,
     apply_block_prefetch,
-    comfy_memory,
     get_block_prefetch,
     sizing,
 )
+from h3_multigpu.comfy_seam import memory as comfy_memory
 from h3_multigpu.offload.streamer import BlockStreamer, Source
 from h3_multigpu.offload.weights import module_bytes
 

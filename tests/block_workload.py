@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import geometry
-from ..twin import MiniMaxH3Twin, TwinConfig, make_inputs, make_twin
-from ..twin.dit import PackedInputs
-from .adapters import ActivationAdapterHook, attach_activation_lora
+from h3_multigpu import geometry
+from h3_multigpu.twin import MiniMaxH3Twin, TwinConfig, make_inputs, make_twin
+from h3_multigpu.twin.dit import PackedInputs
+from h3_multigpu.twin.adapters import ActivationAdapterHook, attach_activation_lora
 
 BlockForward = Callable[..., torch.Tensor]
 
@@ -134,7 +134,7 @@ def run_blocks(workload: BlockWorkload, forwards: list[BlockForward], *, repeats
     return BlockRun(output, seconds, peak)
 
 
-def attention_output_needs_copy(device, dtype: torch.dtype = torch.bfloat16, heads: int = 56,
+def attention_output_needs_copy(device, dtype: torch.dtype = torch.bfloat16, heads: int = geometry.HEADS,
                                 head_dim: int = 128, tokens: int = 2048) -> bool:
     """Whether SDPA on the twin's strided q/k/v views returns a layout that `reshape` copies."""
     qkv = torch.zeros(tokens, 3 * heads * head_dim, dtype=dtype, device=device)

@@ -1,0 +1,148 @@
+"""What the pack reads off ComfyUI's H3 model, its weights and its calls: each an internal.
+
+Every function here names the ComfyUI internal it relies on; `internals.INTERNALS` lists them
+with the releases they were checked on, and a `comfyui` test resolves each on every bed. The
+twin (`h3_multigpu.twin`) answers the same questions with its own names, so the features run
+unchanged on both.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+from . import names
+
+
+def module_of(block: Any) -> ModuleType:
+    """The module that defines this H3 block's class (ComfyUI's comfy.ldm.minimax.model or the
+    twin's): its module-level names are what the block's own forward calls."""
+    return sys.modules[type(block).__module__]
+
+
+def is_comfyui(block: Any) -> bool:
+    comfy = getattr(module_of(block), "comfy", None)
+    return comfy is not None and hasattr(comfy, "quant_ops")
+
+
+def in_training(block: Any) -> bool:
+    """ComfyUI internal: `comfy.model_management.in_training` (H3's Attention takes the
+    out-of-place RoPE and `linear_input_act` the unfused path while it is set)."""
+    if not is_comfyui(block):
+        return False
+    return bool(getattr(module_of(block).comfy.model_management, "in_training", False))
+
+
+def fused_int8_fc2(block: Any) -> bool:
+    """Whether the block's MLP computes fc2 without calling `fc2.forward`.
+
+    ComfyUI internal: H3's MLP is `comfy.ops.linear_input_act(fc2, fc1(x), "swiglu")`, which
+    for an INT8 weight (QuantizedTensor, `TensorWiseINT8Layout`, not transposed, not in
+    training) runs comfy-kitchen's fused `int8_linear` itself: an on-activation (bypass)
+    adapter wrapped around `fc2.forward` does not run there, unpatched or chunked."""
+    if not is_comfyui(block) or in_training(block):
+        return False
+    if not hasattr(getattr(module_of(block).comfy, "ops", None), "linear_input_act"):
+        return False
+    weight = getattr(block.mlp.fc2, "weight", None)
+    return (type(weight).__name__ == "QuantizedTensor"
+            and getattr(weight, "_layout_cls", None) == "TensorWiseINT8Layout"
+            and not getattr(getattr(weight, "_params", None), "transposed", False))
+
+
+def mlp_kernel(block: Any) -> str:
+    """Which SwiGLU implementation the block's MLP runs (`chunking.sizing.Kernels.mlp`)."""
+    if not is_comfyui(block):
+        return "twin"
+    return "comfy_int8" if fused_int8_fc2(block) else "comfy"
+
+
+def weight_format(linear: Any) -> str:
+    """The format `linear`'s GEMM runs in, from its weight: "int8_convrot", "int8", "fp8",
+    "nvfp4" (static input_scale), "nvfp4_dynamic" (none), another quantized layout's name, or
+    the plain dtype ("bfloat16", "float16", "float32").
+
+    ComfyUI internals: `comfy.quant_ops.QuantizedTensor` (`_layout_cls`, `_params.convrot`,
+    `_params.orig_dtype`), the module's `input_scale` and `weight_function`. A lowvram LoRA
+    (`weight_function`) makes ComfyUI's cast dequantize the weight: the GEMM then runs in the
+    original dtype, as a plain one.
+    """
+    weight = getattr(linear, "weight", None)
+    if type(weight).__name__ != "QuantizedTensor":
+        return str(getattr(weight, "dtype", "unknown")).removeprefix("torch.")
+    params = getattr(weight, "_params", None)
+    if getattr(linear, "weight_function", None):
+        return str(getattr(params, "orig_dtype", "bfloat16")).removeprefix("torch.")
+    layout = str(getattr(weight, "_layout_cls", ""))
+    if layout == "TensorWiseINT8Layout":
+        return "int8_convrot" if getattr(params, "convrot", False) else "int8"
+    if "FP8" in layout:
+        return "fp8"
+    if "NVFP4" in layout:
+        return "nvfp4" if getattr(linear, "input_scale", None) is not None else "nvfp4_dynamic"
+    return layout or "quantized"
+
+
+def activation_adapter_ranks(linear: Any) -> tuple[int, ...]:
+    """The rank of each on-activation adapter wrapped around `linear.forward` (0: not a LoRA).
+
+    ComfyUI internal: the bypass injection (`comfy.weight_adapter.bypass.BypassForwardHook`)
+    replaces the instance's `forward` with a bound method of a hook holding `adapter` and
+    `original_forward`; stacked injections chain through `original_forward`. The twin's
+    `chunking.adapters.attach_activation_lora` follows the same shape. Forwards the pack wraps
+    around them at call time (`chunking.wrappers`) expose `original_forward` too, without an
+    adapter, and are looked through.
+    """
+    ranks = []
+    forward = linear.__dict__.get("forward")
+    while forward is not None:
+        hook = getattr(forward, "__self__", forward)
+        if not hasattr(hook, "original_forward"):
+            break
+        adapter = getattr(hook, "adapter", None)
+        if adapter is not None:
+            ranks.append(_adapter_rank(adapter))
+        forward = hook.original_forward
+    return tuple(ranks)
+
+
+def _adapter_rank(adapter: Any) -> int:
+    """ComfyUI internal: a LoRA adapter's `weights` tuple (up [out, r], down [r, in], alpha,
+    ...); the twin's adapter has a `lora_down` Linear."""
+    weights = getattr(adapter, "weights", None)
+    if isinstance(weights, (tuple, list)) and len(weights) > 1 and hasattr(weights[1], "shape"):
+        return int(weights[1].shape[0])
+    down = getattr(getattr(adapter, "lora_down", None), "weight", None)
+    return int(down.shape[0]) if down is not None else 0
+
+
+def preferred_function(attention_module: Any) -> Any:
+    """The attention function this module prefers, or None. ComfyUI internal (newest files):
+    `Attention.comfy_attention` (a `ComfyAttention`) and its `function`, passed as
+    `preferred_attention=`; `wrap_attn` pops it before it calls an override, so an override that
+    means to run what ComfyUI would run reads it here. 0.33.0 has none."""
+    return getattr(getattr(attention_module, "comfy_attention", None), "function", None)
+
+
+def default_attention(block: Any) -> Any:
+    """`optimized_attention` as the H3 module imported it (the startup flags' choice). ComfyUI
+    internal: `comfy.ldm.minimax.model.optimized_attention` (imported by name: rebinding it in
+    attention.py does not reach H3)."""
+    return getattr(module_of(block), "optimized_attention", None)
+
+
+def forward_options(args: tuple, kwargs: dict) -> dict | None:
+    """The transformer_options of a DIFFUSION_MODEL wrapper call. ComfyUI internal: the H3
+    model's `forward` calls the wrapper executor as `execute(x, timestep, context,
+    transformer_options, ...)`, positional at index 3 (0.33.0 and the newest files)."""
+    options = kwargs.get(names.TRANSFORMER_OPTIONS)
+    if options is None and len(args) > 3 and isinstance(args[3], dict):
+        options = args[3]
+    return options if isinstance(options, dict) else None
+
+
+def diffusion_model_of(executor: Any) -> Any:
+    """The model a DIFFUSION_MODEL wrapper runs. ComfyUI internal: `WrapperExecutor.class_obj`
+    (the H3 model's `new_class_executor(self._forward, self, ...)`; the twin's chain too)."""
+    return getattr(executor, "class_obj", None)
