@@ -35,9 +35,13 @@ import torch
 
 from h3_multigpu import geometry
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
-from h3_multigpu.chunking.workload import (
+from h3_multigpu.twin import TwinConfig, TwinPatcher
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from block_workload import (  # noqa: E402  (the tests' twin workloads)
     BlockWorkload,
     attention_output_needs_copy,
+    chunked_forwards,
     make_block_model,
     pack_workload,
     pass_workload,
@@ -45,7 +49,6 @@ from h3_multigpu.chunking.workload import (
     rms_norm_temporary_bytes,
     run_blocks,
 )
-from h3_multigpu.twin import TwinConfig, TwinPatcher
 
 GiB = 1 << 30
 MODES = ("unchunked", "chunked", "auto")
@@ -77,9 +80,7 @@ def _forwards(workload: BlockWorkload, mode: str, args: argparse.Namespace):
         return [block.forward for block in model.blocks]
     config = ChunkingConfig("auto", "auto", "auto") if mode == "auto" else ChunkingConfig(
         ffn_chunk=args.ffn_chunk, qkv_chunk=args.qkv_chunk, head_group=args.head_group)
-    patcher = apply_activation_chunking(TwinPatcher(model), config)
-    return [patcher.object_patches[f"diffusion_model.blocks.{i}.forward"]
-            for i in range(len(model.blocks))]
+    return chunked_forwards(apply_activation_chunking(TwinPatcher(model), config))
 
 
 def _predict(workload: BlockWorkload, chunks: tuple[int, int, int], args,

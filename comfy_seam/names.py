@@ -8,7 +8,7 @@ registers its hooks under) live here too, so no feature re-spells another's.
 
 from __future__ import annotations
 
-# ---------------------------------------------------------------- model_options / transformer_options
+# ------------------------------------------------ model_options / transformer_options
 TRANSFORMER_OPTIONS = "transformer_options"  # model_options key of the per-forward options
 OVERRIDE_KEY = "optimized_attention_override"  # attention override (wrap_attn reads it)
 PATCHES_REPLACE = "patches_replace"  # transformer_options key of the block-replace patches

@@ -328,7 +328,8 @@ def describe_line(patcher: Any) -> str:
                      "block_patch": "block patch", "object_patch": "object patch",
                      "override": "attention override", "attachment": "attachment"}[hook.kind]
             counts[label] = counts.get(label, 0) + 1
-        parts.append(f"{feature} ({', '.join(f'{n}x {k}' if n > 1 else k for k, n in counts.items())})")
+        what = ", ".join(f"{n}x {k}" if n > 1 else k for k, n in counts.items())
+        parts.append(f"{feature} ({what})")
     chained = [e.feature for e in entries
                if any(h.kind in ("block_patch", "override") for h in e.hooks)]
     line = "hooks, outermost first: " + " > ".join(parts)

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from . import policy, sizing
 from ..comfy_seam.memory import (
     comfy_pin_budget,
     dynamic_vram_line,
@@ -45,6 +44,7 @@ from ..comfy_seam.memory import (
     is_dynamic,
     pin_budget_bytes,
 )
+from . import policy, sizing
 from .engine import root_device
 from .streamer import BlockStreamer, Source
 from .weights import leaves_of, module_bytes

@@ -28,9 +28,9 @@ from enum import Enum
 
 import torch
 
+from ..comfy_seam.memory import pin_budget_bytes
 from . import sizing
 from .arena import HostArena, HostBuffer, StagingRing, booked_bytes
-from ..comfy_seam.memory import pin_budget_bytes
 from .engine import CopyEngine, make_engine, root_device
 from .slots import SlotRing
 from .weights import BlockWeights

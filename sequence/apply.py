@@ -33,12 +33,12 @@ import torch
 
 from ..chunking import exact_rows
 from ..chunking.formats import device_name, is_nvidia, linear_shape
-from .h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
+from ..comfy_seam.memory import free_vram_bytes
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
-from ..comfy_seam.memory import free_vram_bytes
 from . import sizing
+from .h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
 from .runner import SequenceRunner, SplitState, device_current
 from .split import SequenceSplit
 from .weights import REPLICA, STREAM, HelperWeights, choose_mode

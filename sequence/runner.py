@@ -41,13 +41,12 @@ from typing import Any
 
 import torch
 
-from .h3_ops import clip_segments, project_rows
-from .h3_ops import H3Ops
 from ..chunking.sizing import row_chunks
 from ..exchange.links import Link, keep_until_used
 from ..exchange.streams import current_stream, record, wait
 from ..exchange.transport import TransportMode
 from ..guard.device import device_context
+from .h3_ops import H3Ops, clip_segments, project_rows
 from .split import SequenceSplit
 from .weights import HelperWeights
 

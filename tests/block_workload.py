@@ -18,8 +18,8 @@ import torch
 
 from h3_multigpu import geometry
 from h3_multigpu.twin import MiniMaxH3Twin, TwinConfig, make_inputs, make_twin
-from h3_multigpu.twin.dit import PackedInputs
 from h3_multigpu.twin.adapters import ActivationAdapterHook, attach_activation_lora
+from h3_multigpu.twin.dit import PackedInputs
 
 BlockForward = Callable[..., torch.Tensor]
 
@@ -134,8 +134,9 @@ def run_blocks(workload: BlockWorkload, forwards: list[BlockForward], *, repeats
     return BlockRun(output, seconds, peak)
 
 
-def attention_output_needs_copy(device, dtype: torch.dtype = torch.bfloat16, heads: int = geometry.HEADS,
-                                head_dim: int = 128, tokens: int = 2048) -> bool:
+def attention_output_needs_copy(device, dtype: torch.dtype = torch.bfloat16,
+                                heads: int = geometry.HEADS, head_dim: int = geometry.HEAD_DIM,
+                                tokens: int = 2048) -> bool:
     """Whether SDPA on the twin's strided q/k/v views returns a layout that `reshape` copies."""
     qkv = torch.zeros(tokens, 3 * heads * head_dim, dtype=dtype, device=device)
     q, k, v = (t.view(tokens, heads, head_dim).transpose(0, 1).unsqueeze(0)
@@ -160,3 +161,37 @@ def rms_norm_temporary_bytes(device, dtype: torch.dtype = torch.bfloat16, hidden
         out = norm(x)
     extra = torch.cuda.max_memory_allocated(device) - before - out.numel() * out.element_size()
     return max(extra, 0) / x.numel()
+
+
+class ChunkedBlockCall:
+    """Block `index` of a chunked patcher called like a block forward: upstream's (the twin's)
+    own `forward` with the chunk wrappers on for the call and the patcher's options (the
+    head-group override) in force. `last_plan` / `last_chunks`: what the block last ran."""
+
+    def __init__(self, patcher, index: int):
+        from h3_multigpu.chunking import get_chunking
+
+        self.runtime = get_chunking(patcher)
+        self.chunker = self.runtime.chunkers[index]
+        self.options = patcher.model_options["transformer_options"]
+
+    @property
+    def last_plan(self):
+        return self.chunker.last_plan
+
+    @property
+    def last_chunks(self):
+        return self.chunker.last_chunks
+
+    def __call__(self, x, t_emb, mod_segments, rope_freqs, transformer_options=None):
+        options = {**self.options, **(transformer_options or {})}
+        with self.runtime.wrapped():
+            return self.chunker.block.forward(x, t_emb, mod_segments, rope_freqs,
+                                              transformer_options=options)
+
+
+def chunked_forwards(patcher) -> list[ChunkedBlockCall]:
+    """One `ChunkedBlockCall` per chunked block of `patcher`, in block order."""
+    from h3_multigpu.chunking import get_chunking
+
+    return [ChunkedBlockCall(patcher, i) for i in sorted(get_chunking(patcher).chunkers)]

@@ -666,8 +666,6 @@ def kernels_row_and_head_independent(patcher, tokens: int, *, ffn_chunk: int, qk
     """
     import torch.nn.functional as F
 
-    from h3_multigpu.chunking import ChunkingConfig
-    from h3_multigpu.chunking.block import ChunkedBlockForward
     from h3_multigpu.chunking.sizing import head_groups, row_chunks
 
     block = patcher.model.diffusion_model.blocks[0]
@@ -695,13 +693,16 @@ def kernels_row_and_head_independent(patcher, tokens: int, *, ffn_chunk: int, qk
     groups = head_groups(heads, head_group, tokens)
     if len(groups) <= 1:
         return True
-    chunked = ChunkedBlockForward(block, ChunkingConfig(head_group=head_group))
+    # the function ComfyUI hands an attention override (the head-group override calls it per
+    # group): `optimized_attention` as H3 imported it, unwrapped
+    h3 = sys.modules[type(block).__module__]
+    func = getattr(h3.optimized_attention, "__wrapped__", h3.optimized_attention)
     qkv = torch.randn((tokens, 3 * heads * dim), generator=gen).to(dtype)
     q, k, v = (t.view(tokens, heads, dim).transpose(0, 1).unsqueeze(0)
                for t in qkv.split(inner, dim=-1))
-    whole = chunked._call_attention(q, k, v, heads, {})[0]
-    return all(torch.equal(chunked._call_attention(q[:, a:b], k[:, a:b], v[:, a:b], b - a,
-                                                   {})[0], whole[:, a * dim:b * dim])
+    whole = func(q, k, v, heads, mask=None, skip_reshape=True)
+    return all(torch.equal(func(q[:, a:b], k[:, a:b], v[:, a:b], b - a, mask=None,
+                                skip_reshape=True), whole[..., a * dim:b * dim])
                for a, b in groups)
 
 

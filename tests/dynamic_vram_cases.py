@@ -27,13 +27,13 @@ from comfyui_h3 import (
     run_like_sampler,
 )
 
+from h3_multigpu.comfy_seam.memory import free_vram_bytes
 from h3_multigpu.nodes.devices import gpu_inventory
 from h3_multigpu.nodes.features import apply_plan
 from h3_multigpu.nodes.placement import placement_from_plan
 from h3_multigpu.nodes.planning import comfy_loader_inputs, make_plan
 from h3_multigpu.nodes.status import compose_status
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
-from h3_multigpu.comfy_seam.memory import free_vram_bytes
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu]
 
@@ -117,7 +117,7 @@ def test_the_plan_and_the_status_describe_dynamic_vram():
 def test_free_vram_counts_what_dynamic_vram_can_evict():
     import comfy.model_management as mm
 
-    from h3_multigpu.chunking.block import free_device_bytes
+    from h3_multigpu.chunking.wrappers import free_device_bytes
 
     base = make_tiny_h3(FLOAT, seed=0, load_device=DEV)
     run_like_sampler(base, inputs(FLOAT), sigmas=SIGMAS)  # the DiT now sits in its VBAR

@@ -31,9 +31,16 @@ from comfyui_h3 import (
     with_lora,
 )
 
-from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, exact_rows, sizing
-from h3_multigpu.chunking.block import ChunkedBlockForward
-from h3_multigpu.chunking.h3_ops import H3Ops, activation_adapters, weight_format
+from h3_multigpu.chunking import (
+    ChunkingConfig,
+    apply_activation_chunking,
+    exact_rows,
+    get_chunking,
+    sizing,
+)
+from h3_multigpu.chunking.formats import activation_adapters
+from h3_multigpu.comfy_seam import h3 as seam_h3
+from h3_multigpu.comfy_seam.h3 import weight_format
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
@@ -74,11 +81,11 @@ def _block(comfy_h3, device):
     return block.requires_grad_(False).eval()  # as ComfyUI's BaseModel leaves the DiT
 
 
-def test_ops_resolve_to_comfyui_functions(comfy_h3):
+def test_seam_reads_comfyui_block(comfy_h3):
     h3 = comfy_h3[0]
-    ops = H3Ops.for_block(_block(comfy_h3, "cpu"))
-    assert ops.is_comfyui and ops.optimized_attention is h3.optimized_attention
-    assert ops.mlp_kernel(torch.nn.Linear(2, 2)) == "comfy"
+    block = _block(comfy_h3, "cpu")
+    assert seam_h3.is_comfyui(block) and seam_h3.default_attention(block) is h3.optimized_attention
+    assert seam_h3.mlp_kernel(block) == "comfy" and not seam_h3.fused_int8_fc2(block)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "bypass-lora"])
@@ -103,13 +110,24 @@ def test_comfyui_block_chunked_is_bit_identical(comfy_h3, lora):
     t_emb = torch.randn(2, 8, device=device)
     segments = [(0, 300, 1), (300, 1300, 5), (1300, s, 0)]
     rope = h3.rope_rotation_table(torch.randn(s, 8, device=device), torch.bfloat16)
+    from h3_multigpu.chunking.wrappers import BlockChunker, ChunkingRuntime, HeadGroups
+
     with torch.inference_mode():
         reference = block.forward(x.clone(), t_emb, segments, rope, transformer_options={})
         for config in (ChunkingConfig(ffn_chunk=3000, qkv_chunk=2100, head_group=3),
                        ChunkingConfig(ffn_chunk=1000)):
-            out = ChunkedBlockForward(block, config)(x.clone(), t_emb, segments, rope,
-                                                     transformer_options={})
+            runtime = ChunkingRuntime()
+            chunker = runtime.chunkers[0] = BlockChunker(block, config, None, runtime)
+            options = {"optimized_attention_override": HeadGroups(runtime)}
+            with runtime.wrapped():  # upstream's own block forward, its modules row-chunked
+                out = block.forward(x.clone(), t_emb, segments, rope,
+                                    transformer_options=options)
             assert torch.equal(out, reference)
+            qkv = len(sizing.row_chunks(s, config.qkv_chunk, chunker.last_plan.qkv_floor))
+            assert chunker.calls == {"attn.qkv_proj": qkv, "attn.out_proj": qkv,
+                                     "mlp": len(sizing.row_chunks(s, config.ffn_chunk,
+                                                                  chunker.last_plan.ffn_floor))}
+            assert chunker.calls["mlp"] > 1
     for hook in hooks:
         hook.eject()
 
@@ -146,33 +164,52 @@ def _same_as_unpatched(out, ref, patcher, tokens, chunks, rank=0):
             assert rel <= FP32_REORDER_BOUND, f"relative L2 {rel:.2e}"
 
 
-def _engaged(counts: CallCounter, attention: AttentionCounter, chunks, tokens):
-    """Chunking ran: linears called once per row chunk, attention once per head group."""
+def _engaged(counts: CallCounter, attention: AttentionCounter, chunks, tokens, wrapped=None):
+    """Chunking ran: the wrapped modules ran once per row chunk (fc1 inside each MLP chunk),
+    attention once per head group."""
     ffn, qkv, group = chunks
     fc1 = len(sizing.row_chunks(tokens, ffn))
     proj = len(sizing.row_chunks(tokens, qkv))
     groups = len(sizing.head_groups(CONFIG.heads, group, tokens))
     assert fc1 * proj * groups > 1, chunks  # something was chunked
     assert counts.per_block("mlp.fc1") == counts.per_block("mlp.fc2") == fc1
-    assert counts.per_block("attn.qkv_proj") == counts.per_block("attn.out_proj") == proj
-    assert attention.entered - CONFIG.refiner_blocks == CONFIG.blocks * groups
+    assert counts.per_block("attn.qkv_proj") == counts.per_block("attn.out_proj") == 1
+    if wrapped is not None:  # chunk calls through the wrappers, per block call
+        assert wrapped == {"attn.qkv_proj": proj, "attn.out_proj": proj, "mlp": fc1}, wrapped
+    # the call sites are entered once per block; the kernel runs once per head group
+    assert attention.entered - CONFIG.refiner_blocks == CONFIG.blocks
+    assert attention.default - CONFIG.refiner_blocks == CONFIG.blocks * groups
+
+
+def _wrapper_calls(patcher) -> dict[str, int]:
+    runtime = get_chunking(patcher)
+    if runtime is None:
+        return {}
+    total: dict[str, int] = {}
+    for chunker in runtime.chunkers.values():
+        for name, n in chunker.calls.items():
+            total[name] = total.get(name, 0) + n
+    return total
 
 
 def _run(patcher, inputs, **kwargs):
+    before = _wrapper_calls(patcher)
     with CallCounter(patcher) as counts, AttentionCounter() as attention:
         out = run_like_sampler(patcher, inputs, **kwargs)
+    after = _wrapper_calls(patcher)
+    block_calls = max(len(counts.rows), 1)
+    counts.wrapped = {name: (after[name] - before.get(name, 0)) / block_calls for name in after}
     return out, counts, attention
 
 
 def _chunks(patcher) -> tuple[int, int, int]:
-    forward = patcher.object_patches["diffusion_model.blocks.0.forward"]
-    return forward.last_chunks
+    return get_chunking(patcher).chunkers[0].last_chunks
 
 
 def _auto_on_a_full_device(monkeypatch) -> ChunkingConfig:
     """"auto" on a device with no free memory, the GPU's exactness floors scaled down to this
     ~100-row, 8-head model (the GPU's floors would not chunk a sequence this short at all)."""
-    monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 0)
+    monkeypatch.setattr("h3_multigpu.chunking.wrappers.free_device_bytes", lambda device: 0)
     monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 24)
     monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 2)
     return ChunkingConfig("auto", "auto", "auto", headroom_bytes=0)
@@ -203,7 +240,7 @@ def test_chunked_real_model_equals_unpatched(case, lora_sd, monkeypatch):
         out, counts, attention = _run(chunked, inputs, **run_kwargs)
         tokens = counts.rows[0]
         chunks = _chunks(chunked)
-        _engaged(counts, attention, chunks, tokens)
+        _engaged(counts, attention, chunks, tokens, counts.wrapped)
         if case == "lora_lowvram":
             assert lowvram_patched_modules(chunked) > 0  # the LoRA rode ComfyUI's LowVramPatch
         if case == "bypass_lora":
@@ -235,7 +272,7 @@ def test_lora_cycles_with_chunking_equal_unpatched_cycles(lora_sd):
                 (bypass_c, bypass_ref, 4), (lora_c, lora_ref, 0)]
     for step, (patcher, ref, rank) in enumerate(sequence):
         out, counts, attention = _run(patcher, inputs)
-        _engaged(counts, attention, _chunks(patcher), counts.rows[0])
+        _engaged(counts, attention, _chunks(patcher), counts.rows[0], counts.wrapped)
         _same_as_unpatched(out, ref, patcher, counts.rows[0], _chunks(patcher), rank)
         assert bypass_adapted_modules(patcher) == (0 if rank == 0 else 16), step
 
@@ -262,7 +299,7 @@ def test_int8_convrot_chunked_equals_unpatched(case, lora_sd, monkeypatch):
     monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", CPU_MIN_ROWS)
     patcher = make_tiny_h3(INT8, seed=0)
     block = patcher.model.diffusion_model.blocks[0]
-    assert H3Ops.for_block(block).fused_int8_fc2(block.mlp.fc2)
+    assert seam_h3.fused_int8_fc2(block)
     assert weight_format(block.mlp.fc1) == "int8_convrot"
     conditioned = case != "plain"
     inputs = make_inputs(INT8, keyframe=conditioned, audio_mask=conditioned)
@@ -281,11 +318,12 @@ def test_int8_convrot_chunked_equals_unpatched(case, lora_sd, monkeypatch):
     chunked = apply_activation_chunking(patcher, ROWS)
     out, counts, attention = _run(chunked, inputs, **run_kwargs)
     tokens = counts.rows[0]
-    forward = chunked.object_patches["diffusion_model.blocks.0.forward"]
+    forward = get_chunking(chunked).chunkers[0]
     plan = forward.last_plan
     assert counts.per_block("mlp.fc1") == len(sizing.row_chunks(tokens, 24, plan.ffn_floor)) > 1
-    assert counts.per_block("attn.qkv_proj") == len(sizing.row_chunks(tokens, 30,
-                                                                      plan.qkv_floor)) > 1
+    assert counts.wrapped["attn.qkv_proj"] == len(sizing.row_chunks(tokens, 30,
+                                                                    plan.qkv_floor)) > 1
+    assert counts.wrapped["attn.out_proj"] == counts.wrapped["attn.qkv_proj"]
     # fc2 is computed inside linear_input_act: its forward never runs, unpatched or chunked
     assert counts.calls["mlp.fc2"] == ref_counts.calls["mlp.fc2"] == 0
     assert all(torch.equal(a, b) for a, b in zip(out, reference, strict=True))

@@ -17,12 +17,13 @@ import torch
 from h3_multigpu.chunking import (
     ChunkingConfig,
     apply_activation_chunking,
-    attach_activation_lora,
     exact_rows,
+    get_chunking,
     sizing,
 )
 from h3_multigpu.chunking.sizing import Adapters, BlockDims, RowFloors
 from h3_multigpu.twin import TwinPatcher, make_inputs, make_twin
+from h3_multigpu.twin.adapters import attach_activation_lora
 
 H200 = "NVIDIA H200"
 H3 = exact_rows.linear_shapes(5376, 56 * 128, 14336)
@@ -139,10 +140,21 @@ def lora_twin(tiny_config):
 
 
 def _rows_seen(model) -> dict[str, list[int]]:
+    """Rows per call: fc1/fc2 by pre-hook (module calls inside each MLP chunk); qkv_proj by an
+    instance forward under the chunk wrapper (which calls the forward it finds per chunk),
+    looked through like an adapter's (`original_forward`)."""
     rows: dict[str, list[int]] = {}
     block = model.blocks[1]
-    for name, module in (("qkv", block.attn.qkv_proj), ("fc1", block.mlp.fc1),
-                         ("fc2", block.mlp.fc2)):
+    qkv = block.attn.qkv_proj
+    inner = qkv.forward
+
+    def forward(x):
+        rows.setdefault("qkv", []).append(x.shape[0])
+        return inner(x)
+
+    forward.original_forward = inner
+    qkv.forward = forward
+    for name, module in (("fc1", block.mlp.fc1), ("fc2", block.mlp.fc2)):
         module.register_forward_pre_hook(
             lambda _m, args, name=name: rows.setdefault(name, []).append(args[0].shape[0]))
     return rows
@@ -163,7 +175,7 @@ def test_chunks_stay_above_every_adapter_floor_and_are_exact(fake_floors, lora_t
     assert all(torch.equal(a, b) for a, b in zip(out, reference, strict=True))
     # fc2's down projection needs 20 rows, qkv/out_proj's 12: two FFN chunks, three QKV chunks
     assert rows["fc1"] == rows["fc2"] == [22, 22] and rows["qkv"] == [15, 15, 14]
-    plan = patched.object_patches["diffusion_model.blocks.1.forward"].last_plan
+    plan = get_chunking(patched).chunkers[1].last_plan
     assert (plan.ffn_floor, plan.qkv_floor, plan.inexact) == (20, 12, ())
     assert _line(patched).endswith("; exact")
 
@@ -172,7 +184,7 @@ def test_a_phase_without_a_floor_stays_whole_while_it_fits(fake_floors, lora_twi
     fake_floors["96->4"] = None  # fc2's adapter: no size is exact
     model, inputs = lora_twin
     reference = TwinPatcher(model).apply_model(*inputs)
-    monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr("h3_multigpu.chunking.wrappers.free_device_bytes", lambda device: 1 << 40)
     patched = apply_activation_chunking(TwinPatcher(model), ChunkingConfig(ffn_chunk=8,
                                                                            qkv_chunk=8))
     # at apply time the twin's adapters are already on the modules: the line says so
@@ -205,12 +217,12 @@ def test_memory_pressure_chunks_it_and_says_it_may_differ(fake_floors, lora_twin
     reference = TwinPatcher(model).apply_model(*inputs)
     # fp32 reference: the same (bf16) weights and adapters, computed in fp32
     fp32 = TwinPatcher(copy.deepcopy(model).float()).apply_model(*_as_fp32(inputs))
-    monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 0)
-    monkeypatch.setattr("h3_multigpu.chunking.block._said", set())
+    monkeypatch.setattr("h3_multigpu.chunking.wrappers.free_device_bytes", lambda device: 0)
+    monkeypatch.setattr("h3_multigpu.chunking.report._said", set())
     patched = apply_activation_chunking(TwinPatcher(model), ChunkingConfig(ffn_chunk=8,
                                                                            qkv_chunk=8))
     rows = _rows_seen(model)
-    caplog.set_level(logging.WARNING, logger="h3_multigpu.chunking.block")
+    caplog.set_level(logging.WARNING, logger="h3_multigpu.chunking.report")
     for _ in range(2):
         out = patched.apply_model(*inputs)
     # no floor for the FFN: split no finer than the generic floor, as asked otherwise
@@ -234,13 +246,13 @@ def test_an_adapter_injected_after_apply_is_found_at_run_time(fake_floors, tiny_
     model = make_twin(tiny_config, dtype=BF16, seed=3)
     inputs = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
                          dtype=BF16)
-    monkeypatch.setattr("h3_multigpu.chunking.block.free_device_bytes", lambda device: 0)
-    monkeypatch.setattr("h3_multigpu.chunking.block._said", set())
+    monkeypatch.setattr("h3_multigpu.chunking.wrappers.free_device_bytes", lambda device: 0)
+    monkeypatch.setattr("h3_multigpu.chunking.report._said", set())
     patched = apply_activation_chunking(TwinPatcher(model), ChunkingConfig(ffn_chunk=8))
     assert _line(patched).endswith("; exact")
     hooks = [attach_activation_lora(block.mlp.fc2, RANK, seed=i)
              for i, block in enumerate(model.blocks)]
-    caplog.set_level(logging.WARNING, logger="h3_multigpu.chunking.block")
+    caplog.set_level(logging.WARNING, logger="h3_multigpu.chunking.report")
     patched.apply_model(*inputs)
     patched.apply_model(*inputs)
     assert _line(patched).endswith("(on-activation LoRA on fc2, rank 4)"), _line(patched)
@@ -257,7 +269,7 @@ def test_a_gpu_without_measured_floors_is_exact_only_as_assumed(tiny_config, mon
     carried over from the measured GPUs: the status says "exact as assumed" and names it."""
     gpu = "AMD Radeon AI PRO R9700"
     table = exact_rows.GemmTable(gpu, "bfloat16", {}, "fake (test)")
-    monkeypatch.setattr("h3_multigpu.chunking.block.device_name", lambda device: gpu)
+    monkeypatch.setattr("h3_multigpu.chunking.formats.device_name", lambda device: gpu)
     monkeypatch.setattr(exact_rows, "table_for",
                         lambda device, dtype: table if listed and device == gpu else None)
     monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
@@ -366,7 +378,7 @@ class QuantizedTensor(torch.Tensor):
     ("AsymW4A8Int8Layout", {}, None, "AsymW4A8Int8Layout"),
 ])
 def test_weight_format_reads_the_layout(layout, params, input_scale, expected):
-    from h3_multigpu.chunking.h3_ops import weight_format
+    from h3_multigpu.comfy_seam.h3 import weight_format
 
     linear = torch.nn.Linear(4, 4)
     del linear.weight
@@ -381,15 +393,17 @@ def test_weight_format_reads_the_layout(layout, params, input_scale, expected):
 def test_a_never_split_weight_format_keeps_its_phase_whole(monkeypatch, tiny_config):
     """fc1 in NVFP4 without input_scale (a per-tensor activation scale): its phase runs whole
     whatever is asked or free, and the status says why; the other phase still chunks."""
-    import h3_multigpu.chunking.block as block_module
+    from h3_multigpu.chunking import formats, wrappers
+    from h3_multigpu.comfy_seam import h3 as seam_h3
 
-    real = block_module.weight_format
+    real = seam_h3.weight_format
     model = make_twin(tiny_config, dtype=BF16, seed=3)
     fc1s = {id(b.mlp.fc1) for b in model.blocks}
-    monkeypatch.setattr(block_module, "weight_format",
+    monkeypatch.setattr(seam_h3, "weight_format",
                         lambda m: "nvfp4_dynamic" if id(m) in fc1s else real(m))
+    assert formats.seam_h3 is seam_h3  # the formats and the wrappers read it from there
     monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
-    monkeypatch.setattr(block_module, "free_device_bytes", lambda device: 1)  # nothing fits
+    monkeypatch.setattr(wrappers, "free_device_bytes", lambda device: 1)  # nothing fits
     inputs = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
                          dtype=BF16)
     reference = TwinPatcher(model).apply_model(*inputs)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
-from h3_multigpu.chunking.workload import (
+from block_workload import (
     attention_output_needs_copy,
+    chunked_forwards,
     make_block_model,
     pass_workload,
     release_cached,
     rms_norm_temporary_bytes,
     run_blocks,
 )
+
+from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
 from h3_multigpu.twin import TwinConfig, TwinPatcher
 
 pytestmark = pytest.mark.gpu
@@ -32,9 +33,7 @@ def full_block():
 def _forwards(model, config: ChunkingConfig | None):
     if config is None:
         return [block.forward for block in model.blocks]
-    patcher = apply_activation_chunking(TwinPatcher(model), config)
-    return [patcher.object_patches[f"diffusion_model.blocks.{i}.forward"]
-            for i in range(len(model.blocks))]
+    return chunked_forwards(apply_activation_chunking(TwinPatcher(model), config))
 
 
 def _predicted(workload, config: ChunkingConfig | None) -> sizing.BlockPeak:

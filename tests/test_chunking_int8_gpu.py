@@ -30,8 +30,8 @@ from comfyui_h3 import (
     with_lora,
 )
 
-from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
-from h3_multigpu.chunking.h3_ops import weight_format
+from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking, sizing
+from h3_multigpu.comfy_seam.h3 import weight_format
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu]
 
@@ -62,7 +62,7 @@ def test_int8_chunks_below_the_bf16_floor_are_bit_identical(int8_model, case):
         chunked = apply_activation_chunking(patcher, SMALL)
         with CallCounter(chunked) as counts:
             out = run_like_sampler(chunked, inputs)
-    forward = chunked.object_patches["diffusion_model.blocks.0.forward"]
+    forward = get_chunking(chunked).chunkers[0]
     plan, tokens = forward.last_plan, counts.rows[0]
     assert dict(forward.weight_formats())["fc1"] == "int8_convrot"
     assert weight_format(base.model.diffusion_model.blocks[0].mlp.fc2) == "int8_convrot"

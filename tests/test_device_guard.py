@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
-from h3_multigpu.guard import device as device_guard
 from h3_multigpu.comfy_seam.names import DIFFUSION_MODEL, GUARD_KEY, OUTER_SAMPLE
+from h3_multigpu.guard import device as device_guard
 from h3_multigpu.guard.device import (
     DeviceGuardedMethod,
     guard_diffusion_model,

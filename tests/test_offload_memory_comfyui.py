@@ -18,13 +18,13 @@ import torch
 import torch.nn as nn
 from comfyui_h3 import TinyH3Config, make_inputs, make_tiny_h3, run_like_sampler
 
+from h3_multigpu.comfy_seam import memory as comfy_memory
 from h3_multigpu.offload import (
     PrefetchConfig,
     apply_block_prefetch,
     get_block_prefetch,
     sizing,
 )
-from h3_multigpu.comfy_seam import memory as comfy_memory
 from h3_multigpu.offload.streamer import BlockStreamer, Source
 from h3_multigpu.offload.weights import module_bytes
 
@@ -103,7 +103,7 @@ def test_free_vram_is_comfyuis_count_with_dynamic_vram_evictable_memory(free_mem
 
 def test_chunking_sequence_and_prefetch_ask_comfyui(free_memory, monkeypatch):
     """Every free-memory decision of the pack goes through ComfyUI's query."""
-    from h3_multigpu.chunking.block import free_device_bytes
+    from h3_multigpu.chunking.wrappers import free_device_bytes
     from h3_multigpu.sequence.apply import _free_bytes
 
     base = make_tiny_h3(TinyH3Config(blocks=6), seed=0)
