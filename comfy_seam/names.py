@@ -17,6 +17,9 @@ DOUBLE_BLOCK = "double_block"  # the H3 block-replace key: ("double_block", i)
 WRAPPERS = "wrappers"  # transformer_options key of the wrappers ComfyUI copies per call
 PREFETCH_DYNAMIC_VBARS = "prefetch_dynamic_vbars"  # DynamicVRAM's per-call block prefetch flag
 
+# ---------------------------------------------------------------- object patches
+VAE_DECODE_LOOP = "decode_temporal"  # the upstream H3 video VAE's window loop (object patch)
+
 # ---------------------------------------------------------------- comfy.patcher_extension
 # WrappersMP values
 OUTER_SAMPLE = "outer_sample"

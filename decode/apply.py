@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..comfy_seam import names, protocol
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from . import core, sizing
 from .executor import DecodeReport, DeviceShare, NotFollowed, SplitDecode
@@ -44,7 +45,7 @@ from .windows import WindowLayout, assign_windows, parse_weights
 
 log = logging.getLogger("h3_multigpu")
 
-PATCH_NAME = "decode_temporal"  # the upstream H3 video VAE's window loop
+PATCH_NAME = names.VAE_DECODE_LOOP
 COPY_GBS = {"peer": 100.0, "host": 10.0}  # decoder copy rate for the share plan (conservative)
 
 
@@ -284,8 +285,8 @@ def _peer(a: torch.device, b: torch.device) -> bool:
 
 def find_patch(vae: Any) -> MultiGPUDecode | None:
     """Our patch on a VAE clone, if any."""
-    patches = getattr(getattr(vae, "patcher", None), "object_patches", {}) or {}
-    patch = patches.get(PATCH_NAME)
+    patcher = getattr(vae, "patcher", None)
+    patch = protocol.object_patches(patcher).get(PATCH_NAME) if patcher is not None else None
     return patch if isinstance(patch, MultiGPUDecode) else None
 
 
@@ -294,7 +295,7 @@ def install(vae: Any, patch: MultiGPUDecode) -> Any:
     clone(): this is what Select VAE Device does too); the loader's object is never touched."""
     clone = copy.copy(vae)
     clone.patcher = vae.patcher.clone()
-    clone.patcher.add_object_patch(PATCH_NAME, patch)
+    protocol.install(clone.patcher, "decode", protocol.object_patch(PATCH_NAME, patch))
     return clone
 
 

@@ -12,7 +12,6 @@ _LAZY = {
     "DualSageConfig": "apply",
     "DualSageOverride": "apply",
     "ShardingFunction": "apply",
-    "RecordAttentionModule": "apply",
     "ExactRange": "exactness",
     "apply_dual_sage": "apply",
     "status_text": "apply",

@@ -1,6 +1,7 @@
-"""ComfyUI seam: `DualSageConfig` and `apply_dual_sage(model_patcher, config)`.
+"""`DualSageConfig` and `apply_dual_sage(model_patcher, config)`.
 
-Installs, on a clone of the patcher, through public hooks only:
+Installs, on a clone of the patcher, through the seam (`comfy_seam.protocol`, feature
+"dual_sage"):
 1. an `optimized_attention_override` in `transformer_options` that shards each H3 attention
    call's heads over the GPUs, running on every head subset THE FUNCTION COMFYUI WOULD HAVE RUN
    (`ShardingFunction`): the module's preferred attention (`ComfyAttention.function`, e.g. a
@@ -27,15 +28,18 @@ the chosen function unchanged, with every keyword passed on.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .. import geometry
+from ..comfy_seam import names, protocol
+from ..comfy_seam.attention import RecordAttentionModule, running_attention_module
+from ..comfy_seam.h3 import default_attention as seam_default_attention
+from ..comfy_seam.h3 import preferred_function
 from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
 from ..guard.device import device_context
@@ -48,15 +52,9 @@ from .sharded import Attend, ShardedAttention, warn_once
 
 log = logging.getLogger(__name__)
 
-WRAPPER_KEY = "h3_multigpu_dual_sage"
-OVERRIDE_KEY = "optimized_attention_override"
 COMFYUI_FUNCTION = "comfyui"  # backend value: shard whatever ComfyUI would run (the default)
 DEFAULT_LINK_GBPS = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
 DEFAULT_TFLOPS = 550.0  # bf16 attention of one current GPU; only the ratio between GPUs matters
-
-# the attention module of the DiT block running now (set by the block patches below)
-_running_attention: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "h3_multigpu_running_attention", default=None)
 
 
 @dataclass
@@ -81,7 +79,7 @@ class DualSageConfig:
     chunk_heads: int | None = None  # None: by transport (sizing.chunk_heads_for)
     ring_slots: int = sizing.DEFAULT_RING_SLOTS
     exact_only: bool = True
-    heads: int = 56  # used when the model does not say
+    heads: int = geometry.HEADS  # used when the model does not say
 
     def __post_init__(self) -> None:
         self.transport = TransportMode.parse(self.transport)
@@ -259,7 +257,7 @@ class DualSageOverride:
     def __call__(self, func: Any, q: Any, k: Any, v: Any, heads: int, *args: Any,
                  **kwargs: Any) -> Any:
         options = kwargs.get("transformer_options")
-        outermost = isinstance(options, dict) and options.get(OVERRIDE_KEY) is self
+        outermost = isinstance(options, dict) and protocol.override_of(options) is self
         sharding = ShardingFunction(self.sharded, self.function_for(func, outermost))
         if self.previous is not None:
             return self.previous(sharding, q, k, v, heads, *args, **kwargs)
@@ -286,9 +284,9 @@ class DualSageOverride:
         return func
 
     def _preferred_function(self) -> Any:
-        module = _running_attention.get()
+        module = running_attention_module()
         if module is not None:
-            return getattr(getattr(module, "comfy_attention", None), "function", None)
+            return preferred_function(module)
         # a call outside the DiT blocks (none reach the override in ComfyUI today: the token
         # refiner runs in extra_conds): the model's preferred attention when every module agrees
         functions = {id(getattr(m.comfy_attention, "function", None)): m.comfy_attention.function
@@ -307,45 +305,6 @@ def _attention_modules(diffusion_model: Any) -> list[Any]:
     return [m for m in diffusion_model.modules() if hasattr(m, "comfy_attention")]
 
 
-class RecordAttentionModule:
-    """`("double_block", i)` replace patch: records block i's attention module while it runs.
-
-    Chains the patch that was there (offload's, a user's) or calls the original block. A patch
-    that passes its own `attention` module in `args` is honoured (upstream's DiTBlock takes one).
-    """
-
-    # it never reads the residual stream: the sequence mode may keep its rows split across it
-    h3_multigpu_transparent = True
-
-    def __init__(self, attention_module: Any, previous: Any = None):
-        self.attention_module = attention_module
-        self.previous = previous
-        self.h3_multigpu_previous = previous  # the chain the sequence mode walks
-
-    def __deepcopy__(self, memo) -> RecordAttentionModule:
-        return self  # holds the model's own module: never copied with model_options
-
-    def __call__(self, args: dict, extra: dict) -> dict:
-        passed = args.get("attention")
-        module = passed if hasattr(passed, "comfy_attention") else self.attention_module
-        token = _running_attention.set(module)
-        try:
-            if self.previous is not None:
-                return self.previous(args, extra)
-            return extra["original_block"](args)
-        finally:
-            _running_attention.reset(token)
-
-
-def _mp_names() -> tuple[str, str, str]:
-    """ComfyUI's names for the DIFFUSION_MODEL wrapper and the cleanup / detach callbacks."""
-    try:
-        from comfy.patcher_extension import CallbacksMP, WrappersMP
-    except ImportError:  # the same values ComfyUI uses (the twin honours the wrapper)
-        return "diffusion_model", "on_cleanup", "on_detach_after"
-    return WrappersMP.DIFFUSION_MODEL, CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH
-
-
 def _root_current_wrapper(root: torch.device):
     def wrapper(executor, *args, **kwargs):
         # nests with any other device guard (the placement's): entering the same device twice
@@ -356,18 +315,16 @@ def _root_current_wrapper(root: torch.device):
     return wrapper
 
 
-def _install_block_recorders(patched: Any, diffusion_model: Any) -> int:
-    blocks = getattr(diffusion_model, "blocks", None) or []
-    to = patched.model_options.get("transformer_options", {})
-    existing = to.get("patches_replace", {}).get("dit", {})
-    for i, block in enumerate(blocks):
+def _block_recorders(diffusion_model: Any) -> list[protocol.Hook]:
+    """One `RecordAttentionModule` block patch per DiT block, chaining the one there."""
+    hooks = []
+    for i, block in enumerate(getattr(diffusion_model, "blocks", None) or []):
         attention = getattr(block, "attn", None)
-        if attention is None:
-            continue
-        previous = existing.get(("double_block", i))
-        patched.set_model_patch_replace(RecordAttentionModule(attention, previous), "dit",
-                                        "double_block", i)
-    return len(blocks)
+        if attention is not None:
+            hooks.append(protocol.block_patch(
+                i, lambda previous, attention=attention: RecordAttentionModule(attention,
+                                                                               previous)))
+    return hooks
 
 
 def apply_dual_sage(model_patcher: Any, config: DualSageConfig) -> Any:
@@ -377,21 +334,20 @@ def apply_dual_sage(model_patcher: Any, config: DualSageConfig) -> Any:
     sharded = build_sharded_attention(model_patcher, config)
     patched = model_patcher.clone()
     diffusion_model = _diffusion_model(patched)
-    options = patched.model_options.setdefault("transformer_options", {})
-    previous = options.get(OVERRIDE_KEY)
-    options[OVERRIDE_KEY] = DualSageOverride(sharded, previous, config.backend, diffusion_model)
-    _install_block_recorders(patched, diffusion_model)
-    wrapper_type, on_cleanup, on_detach = _mp_names()
-    patched.add_wrapper_with_key(wrapper_type, WRAPPER_KEY,
-                                 _root_current_wrapper(sharded.plan.root))
-    if hasattr(patched, "add_callback_with_key"):
-        patched.add_callback_with_key(on_cleanup, WRAPPER_KEY, lambda *_: sharded.release())
-        patched.add_callback_with_key(on_detach, WRAPPER_KEY, lambda *_: sharded.release())
-    to = patched.model_options["transformer_options"]
-    to["h3_multigpu"] = {**to.get("h3_multigpu", {}),
-                         "dual_sage": status_text(sharded, config, previous,
-                                                  function_names=functions_run(
-                                                      config, previous, diffusion_model))}
+    previous = protocol.override_of(patched)
+    protocol.install(
+        patched, "dual_sage",
+        protocol.override(lambda prev: DualSageOverride(sharded, prev, config.backend,
+                                                        diffusion_model)),
+        *_block_recorders(diffusion_model),
+        protocol.wrapper(names.DIFFUSION_MODEL, _root_current_wrapper(sharded.plan.root)),
+        protocol.callback(names.ON_CLEANUP, lambda *_: sharded.release()),
+        protocol.callback(names.ON_DETACH, lambda *_: sharded.release()))
+    to = protocol.options(patched)
+    to[names.STATUS_KEY] = {**to.get(names.STATUS_KEY, {}),
+                            "dual_sage": status_text(sharded, config, previous,
+                                                     function_names=functions_run(
+                                                         config, previous, diffusion_model))}
     return patched
 
 
@@ -407,12 +363,10 @@ def sage_node_words(backend: str) -> str:
 def default_attention(diffusion_model: Any) -> Any:
     """The attention function the H3 module calls when nothing prefers another: ComfyUI's
     `optimized_attention` as the module imported it (the startup flags' choice: sub-quadratic
-    on CPU, SDPA on CUDA, sage/flash/xformers by flag), or the twin's. ComfyUI internal:
-    `comfy.ldm.minimax.model.optimized_attention` (0.33.0 and the newest files)."""
+    on CPU, SDPA on CUDA, sage/flash/xformers by flag), or the twin's
+    (`comfy_seam.h3.default_attention`)."""
     blocks = getattr(diffusion_model, "blocks", None) or []
-    if not blocks:
-        return None
-    return getattr(sys.modules.get(type(blocks[0]).__module__), "optimized_attention", None)
+    return seam_default_attention(blocks[0]) if blocks else None
 
 
 def functions_run(config: DualSageConfig, previous: Any, diffusion_model: Any

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..comfy_seam import protocol
+from ..comfy_seam.names import OVERRIDE_KEY  # noqa: F401  (the tests read it from here)
 from ..kernels.comfy_calling import backend_function
-
-OVERRIDE_KEY = "optimized_attention_override"
 
 
 def make_backend_attention(backend: str) -> Callable[..., Any]:
@@ -50,10 +50,9 @@ def apply_backend_override(model: Any, backend: str) -> Any:
     from .status import record
 
     patched = model.clone()
-    to = patched.model_options.setdefault("transformer_options", {})
-    previous = to.get(OVERRIDE_KEY)
-    to = patched.model_options["transformer_options"] = dict(to)
-    to[OVERRIDE_KEY] = make_override(backend, previous)
+    previous = protocol.override_of(patched)
+    protocol.install(patched, "attention",
+                     protocol.override(lambda prev: make_override(backend, prev)))
     if previous is not None and hasattr(previous, "sharded"):
         from ..dual_sage.apply import sage_node_words, status_text
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..comfy_seam import protocol
+from ..comfy_seam.names import STATUS_KEY, TRANSFORMER_OPTIONS
 from .devices import GiB
 from .placement import Placement
 
-STATUS_KEY = "h3_multigpu"  # transformer_options key every apply_* writes its line under
 FEATURES = ("sequence", "dual_sage", "chunking", "prefetch", "attention")
 # What the bundled workflows need from ComfyUI itself (ComfyUI#15224 brought the H3 nodes).
 H3_NODES = ("MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo")
@@ -36,16 +37,24 @@ def feature_lines(model_options: dict[str, Any] | None) -> dict[str, str]:
     """{feature: status line} recorded on a patched model (empty when none)."""
     if not model_options:
         return {}
-    recorded = model_options.get("transformer_options", {}).get(STATUS_KEY, {})
+    recorded = model_options.get(TRANSFORMER_OPTIONS, {}).get(STATUS_KEY, {})
     return {name: str(text) for name, text in recorded.items()}
 
 
 def record(model_options: dict[str, Any], feature: str, line: str) -> None:
     """Write a status line the way apply_* does (used by our own SageAttention node)."""
-    to = model_options.setdefault("transformer_options", {})
+    to = model_options.setdefault(TRANSFORMER_OPTIONS, {})
     # Copy so a clone never writes into the dict its parent shares.
     to[STATUS_KEY] = dict(to.get(STATUS_KEY, {}))
     to[STATUS_KEY][feature] = line
+
+
+def hooks_line(model: Any) -> str | None:
+    """What the pack installed on a patched model, by whom, in which order (the seam's
+    `describe`), or None for a model the pack did not patch."""
+    if model is None or not hasattr(model, "model_options") or not protocol.installed(model):
+        return None
+    return protocol.describe_line(model)
 
 
 def peak_lines(plan: Any, placement: Placement) -> list[str]:

@@ -16,7 +16,7 @@ from .features import apply_decode_plan, apply_plan
 from .model_check import check_h3_model
 from .placement import Placement, decide_placement, placement_from_plan
 from .planning import PlannerUnavailable, comfy_loader_inputs, make_plan
-from .status import FEATURES, comfyui_support_line, compose_status
+from .status import FEATURES, comfyui_support_line, compose_status, hooks_line
 from .v3_plan import check_sizes, parallel_input, size_inputs
 
 
@@ -94,6 +94,9 @@ def run_dropin(model, clip, vae, audio_vae, latent_upscale_model, plan, sizes: d
         extra.append(comfyui_support_line(comfy_nodes.NODE_CLASS_MAPPINGS))
     except ImportError:
         pass
+    hooks = hooks_line(model)
+    if hooks is not None:
+        extra.append(hooks)
     status = compose_status(placement=placement, plan=plan, features=lines,
                             component_notes=notes, extra=extra)
     return model, clip, vae, audio_vae, latent_upscale_model, plan, status, placement

@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from .comfy_types import CATEGORY, preview_text
 from .features import FeatureUnavailable, apply_from_strings, check_options
-from .status import feature_lines
+from .status import feature_lines, hooks_line
 
 
 def backend_names() -> list[str]:
@@ -28,6 +28,9 @@ def _result(model, feature: str) -> io.NodeOutput:
     line = feature_lines(getattr(model, "model_options", None)).get(
         feature, "applied (the library recorded no status line)")
     status = f"{feature}: {line}"
+    hooks = hooks_line(model)
+    if hooks is not None:
+        status += f"\n{hooks}"
     return io.NodeOutput(model, status, ui=preview_text(status))
 
 

@@ -51,9 +51,6 @@ from .weights import leaves_of, module_bytes
 
 log = logging.getLogger(__name__)
 
-WRAPPER_KEY = "h3_multigpu.prefetch"
-DIFFUSION_MODEL = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL
-PREPARE_SAMPLING = "prepare_sampling"  # ComfyUI's WrappersMP.PREPARE_SAMPLING
 GIB = 1 << 30
 
 

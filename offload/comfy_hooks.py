@@ -1,4 +1,4 @@
-"""The prefetcher's ComfyUI seam: every hook `apply_block_prefetch` installs, all public.
+"""The prefetcher's hooks: every one `apply_block_prefetch` installs, through `comfy_seam`.
 
 On the patcher clone:
 - a `("double_block", i)` replace patch per DiT block (chaining one already there): brackets a
@@ -31,40 +31,35 @@ from typing import Any
 
 import torch
 
+from ..comfy_seam import h3 as seam_h3
+from ..comfy_seam import loader, names, protocol
 from ..guard.device import device_context
-from .apply import DIFFUSION_MODEL, PREPARE_SAMPLING, WRAPPER_KEY, BlockPrefetch
+from .apply import BlockPrefetch
 
-ATTACHMENT = WRAPPER_KEY
-STATUS_KEY = "h3_multigpu"
-ON_LOAD, ON_DETACH, ON_APPLY_HOOKS = "on_load_after", "on_detach_after", "on_apply_hooks"
+ATTACHMENT = names.PREFETCH_KEY
 _UNSET = object()
 _MATH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def install(patcher: Any, prefetch: BlockPrefetch) -> None:
-    options = patcher.model_options["transformer_options"]
-    existing = options.get("patches_replace", {}).get("dit", {})
-    for i in range(prefetch.blocks):
-        patch = _block_patch(prefetch, f"blocks.{i}", existing.get(("double_block", i)))
-        patcher.set_model_patch_replace(patch, "dit", "double_block", i)
+    hooks = [protocol.block_patch(i, lambda previous, i=i: _block_patch(
+        prefetch, f"blocks.{i}", previous)) for i in range(prefetch.blocks)]
     for j in range(prefetch.refiner_blocks):
         key = f"diffusion_model.token_refiner.blocks.{j}.forward"
-        patcher.add_object_patch(key, _refiner_forward(prefetch, f"token_refiner.blocks.{j}",
-                                                       patcher.get_model_object(key), first=j == 0))
+        hooks.append(protocol.object_patch(key, _refiner_forward(
+            prefetch, f"token_refiner.blocks.{j}", patcher.get_model_object(key), first=j == 0)))
     for block_id in prefetch.block_ids:
-        _loader_patches(patcher, prefetch, block_id)
-    patcher.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, _diffusion_wrapper(prefetch))
-    patcher.add_wrapper_with_key(PREPARE_SAMPLING, WRAPPER_KEY, _prepare_wrapper(prefetch))
-    add_callback = getattr(patcher, "add_callback_with_key", None)
-    if add_callback is not None:
-        add_callback(ON_LOAD, WRAPPER_KEY, lambda p, *_: prefetch.on_load(p))
-        add_callback(ON_DETACH, WRAPPER_KEY, lambda p, unpatch_all: prefetch.on_detach(
-            p, unpatch_all))
-        add_callback(ON_APPLY_HOOKS, WRAPPER_KEY, lambda p, hooks: _invalidate(prefetch))
-    if hasattr(patcher, "set_attachments"):
-        patcher.set_attachments(ATTACHMENT, prefetch)
-    else:
-        patcher.attachments[ATTACHMENT] = prefetch
+        hooks += _loader_patches(patcher, prefetch, block_id)
+    hooks += [
+        protocol.wrapper(names.DIFFUSION_MODEL, _diffusion_wrapper(prefetch)),
+        protocol.wrapper(names.PREPARE_SAMPLING, _prepare_wrapper(prefetch)),
+        protocol.callback(names.ON_LOAD, lambda p, *_: prefetch.on_load(p)),
+        protocol.callback(names.ON_DETACH, lambda p, unpatch_all: prefetch.on_detach(
+            p, unpatch_all)),
+        protocol.callback(names.ON_APPLY_HOOKS, lambda p, hooks: _invalidate(prefetch)),
+        protocol.attachment(ATTACHMENT, prefetch),
+    ]
+    protocol.install(patcher, "prefetch", *hooks)
 
 
 def find(patcher: Any) -> BlockPrefetch | None:
@@ -72,19 +67,16 @@ def find(patcher: Any) -> BlockPrefetch | None:
     attachments = getattr(patcher, "attachments", None) or {}
     if isinstance(attachments.get(ATTACHMENT), BlockPrefetch):
         return attachments[ATTACHMENT]
-    places = [getattr(patcher, "wrappers", None) or {},
-              patcher.model_options.get("transformer_options", {}).get("wrappers", {})]
-    for wrappers in places:  # ModelPatcher.wrappers (ComfyUI), model_options (older, twin)
-        for fn in wrappers.get(DIFFUSION_MODEL, {}).get(WRAPPER_KEY, []):
-            prefetch = getattr(fn, "block_prefetch", None)
-            if prefetch is not None:
-                return prefetch
+    for fn in protocol.wrappers_of(patcher, names.DIFFUSION_MODEL, "prefetch"):
+        prefetch = getattr(fn, "block_prefetch", None)
+        if prefetch is not None:
+            return prefetch
     return None
 
 
 def record_status(patcher: Any, line: str) -> None:
-    options = patcher.model_options["transformer_options"]
-    options[STATUS_KEY] = {**options.get(STATUS_KEY, {}), "prefetch": line}
+    options = protocol.options(patcher)
+    options[names.STATUS_KEY] = {**options.get(names.STATUS_KEY, {}), "prefetch": line}
 
 
 def _invalidate(prefetch: BlockPrefetch) -> None:
@@ -129,13 +121,11 @@ def _diffusion_wrapper(prefetch: BlockPrefetch) -> Callable:
     def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
         with _device_current(prefetch):
             prefetch.prepare()
-            options = kwargs.get("transformer_options")
-            if options is None and len(args) > 3 and isinstance(args[3], dict):
-                options = args[3]
-            if prefetch.streamed_ids and isinstance(options, dict):
+            options = seam_h3.forward_options(args, kwargs)
+            if prefetch.streamed_ids and options is not None:
                 # ComfyUI writes this flag on a copy of the options per call: switching it off
                 # here keeps its DynamicVRAM block prefetch from staging our blocks a second time
-                options["prefetch_dynamic_vbars"] = False
+                options[names.PREFETCH_DYNAMIC_VBARS] = False
             return executor(*args, **kwargs)
 
     wrapper.block_prefetch = prefetch  # type: ignore[attr-defined]
@@ -146,35 +136,35 @@ def _prepare_wrapper(prefetch: BlockPrefetch) -> Callable:
     def wrapper(executor: Callable, model: Any, *args: Any, **kwargs: Any) -> Any:
         with _device_current(prefetch):
             prefetch.ensure_resolved(model)
-        if prefetch.streamed_ids and hasattr(model, "size"):
+        if prefetch.streamed_ids:
             # load_models_gpu frees, and partially_load compares with, model_size(): make it
             # what really goes on the device, so the loader neither evicts other models for
             # nor falls back to a lowvram load because of blocks that never go there
-            model.size = prefetch.device_footprint_bytes()
+            loader.set_load_size(model, prefetch.device_footprint_bytes())
         return executor(model, *args, **kwargs)
 
     return wrapper
 
 
 # ---------------------------------------------------------------------- loader hooks
-def _loader_patches(patcher: Any, prefetch: BlockPrefetch, block_id: str) -> None:
+def _loader_patches(patcher: Any, prefetch: BlockPrefetch, block_id: str) -> list:
+    hooks = []
     block = prefetch.module(block_id)
     for path, module in block.named_modules():
         prefix = f"diffusion_model.{block_id}" + (f".{path}" if path else "")
         if not path or module._parameters or module._buffers:
-            key = f"{prefix}._apply"
-            patcher.add_object_patch(key, _apply_patch(prefetch, block_id, module,
-                                                       patcher.get_model_object(key)))
+            key = loader.apply_key(prefix)
+            hooks.append(protocol.object_patch(key, _apply_patch(
+                prefetch, block_id, module, patcher.get_model_object(key))))
         for name, param in module._parameters.items():
             if param is None:
                 continue
-            if not hasattr(module, f"set_{name}"):
-                # ComfyUI's get_key_weight treats a None set_<param> as no setter at all; the
-                # attribute has to exist for an object patch to replace it
-                setattr(module, f"set_{name}", None)
-            key = f"{prefix}.set_{name}"
-            patcher.add_object_patch(key, _set_patch(prefetch, block_id, module, name,
-                                                     patcher.get_model_object(key)))
+            # the attribute has to exist for an object patch to replace it
+            loader.ensure_setter_slot(module, name)
+            key = loader.setter_key(prefix, name)
+            hooks.append(protocol.object_patch(key, _set_patch(
+                prefetch, block_id, module, name, patcher.get_model_object(key))))
+    return hooks
 
 
 def _apply_patch(prefetch: BlockPrefetch, block_id: str, module: torch.nn.Module,
@@ -219,6 +209,4 @@ def _set_patch(prefetch: BlockPrefetch, block_id: str, owner: torch.nn.Module, n
 
 
 def _round(value: torch.Tensor, dtype: torch.dtype, seed: Any) -> torch.Tensor:
-    import comfy.float  # only ever called by ComfyUI's own loader
-
-    return comfy.float.stochastic_rounding(value, dtype, seed=seed)
+    return loader.stochastic_round(value, dtype, seed)

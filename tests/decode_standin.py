@@ -165,15 +165,19 @@ class StandInVideoVAE(nn.Module):
 
 
 class FakePatcher:
-    """ComfyUI's ModelPatcher surface a VAE patch uses: clone() and object patches."""
+    """ComfyUI's ModelPatcher surface a VAE patch uses: clone(), object patches and the
+    model_options the seam records its installs in."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.object_patches: dict = {}
+        self.model_options: dict = {}
 
     def clone(self) -> FakePatcher:
         n = FakePatcher(self.model)
         n.object_patches = dict(self.object_patches)
+        n.model_options = {k: dict(v) if isinstance(v, dict) else v
+                           for k, v in self.model_options.items()}
         return n
 
     def add_object_patch(self, name: str, obj) -> None:
