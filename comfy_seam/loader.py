@@ -29,9 +29,9 @@ def ensure_setter_slot(module: Any, name: str) -> None:
 
 
 def set_load_size(model: Any, nbytes: int) -> None:
-    """Make the loader see `nbytes` as the model's size. ComfyUI internal: `BaseModel.size`,
-    which `ModelPatcher.model_size()` returns once set and `load_models_gpu` /
-    `partially_load` compare with free memory."""
+    """Make the loader see `nbytes` as the patcher's model size (the PREPARE_SAMPLING wrapper's
+    `model`). ComfyUI internal: `ModelPatcher.size`, which `model_size()` returns once set and
+    `load_models_gpu` / `partially_load` compare with free memory."""
     if hasattr(model, "size"):
         model.size = nbytes
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..comfy_seam import runtime
+
 
 class CoreMissing(RuntimeError):
     """This ComfyUI lacks (or refuses) a core path the decode needs; the text says which."""
@@ -20,11 +22,7 @@ class CoreMissing(RuntimeError):
 
 def model_management() -> Any | None:
     """`comfy.model_management` (0.33.0, newest files), or None outside ComfyUI."""
-    try:
-        import comfy.model_management as mm
-    except ImportError:
-        return None
-    return mm
+    return runtime.model_management()
 
 
 def is_dynamic(patcher: Any) -> bool:
@@ -103,12 +101,8 @@ def progress_and_interrupt(steps: int):
     """ComfyUI's progress bar (`comfy.utils.ProgressBar(steps).update`) and interrupt check
     (`model_management.throw_exception_if_processing_interrupted`), each None outside ComfyUI
     (0.33.0, newest files)."""
-    try:
-        import comfy.utils
-
-        progress = comfy.utils.ProgressBar(steps).update
-    except ImportError:
-        progress = None
+    utils = runtime.utils()
+    progress = utils.ProgressBar(steps).update if utils is not None else None
     mm = model_management()
     return progress, (mm.throw_exception_if_processing_interrupted if mm is not None else None)
 

@@ -24,10 +24,10 @@ note says what was asked and where the object stays. Everything ComfyUI is impor
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
 from typing import Any
 
+from ..comfy_seam import runtime
 from ..guard.device import guard_diffusion_model, guard_text_encoder, guard_vae
 from .devices import device_option
 
@@ -36,16 +36,12 @@ log = logging.getLogger("h3_multigpu")
 
 def torch_device(index: int):
     """ComfyUI's torch.device for gpu:index (cuda:index on CUDA and ROCm)."""
-    try:
-        import comfy.model_management as mm
-
-        resolve = getattr(mm, "resolve_gpu_device_option", None)
-        if resolve is not None:
-            found = resolve(device_option(index))
-            if found is not None:
-                return found
-    except ImportError:
-        pass
+    mm = runtime.model_management()
+    resolve = getattr(mm, "resolve_gpu_device_option", None)
+    if resolve is not None:
+        found = resolve(device_option(index))
+        if found is not None:
+            return found
     import torch
 
     return torch.device("cuda", index)
@@ -53,11 +49,7 @@ def torch_device(index: int):
 
 def _core_node(name: str):
     """A core multi-GPU node class, or None on a ComfyUI without them (or without ComfyUI)."""
-    try:
-        module = importlib.import_module("comfy_extras.nodes_multigpu")
-    except ImportError:
-        return None
-    return getattr(module, name, None)
+    return getattr(runtime.nodes_multigpu(), name, None)
 
 
 def _first(output: Any) -> Any:
@@ -170,9 +162,8 @@ def release_text_encoder(clip: Any) -> str:
     Every other loaded model is passed as keep_loaded, so only this encoder leaves; ComfyUI
     reloads it by itself when a new prompt needs encoding.
     """
-    try:
-        import comfy.model_management as mm
-    except ImportError:
+    mm = runtime.model_management()
+    if mm is None:
         return "text encoder release skipped: ComfyUI's model management is not importable"
     patcher = clip.patcher
     loaded = list(getattr(mm, "current_loaded_models", []))

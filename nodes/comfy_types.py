@@ -23,14 +23,11 @@ def preview_text(text: str):
 
 def gpu_device_options() -> list[str]:
     """ComfyUI's own device list ("default", "cpu", "gpu:N"), or ours on older versions."""
-    try:
-        import comfy.model_management as mm
+    from ..comfy_seam import runtime
 
-        options = getattr(mm, "get_gpu_device_options", None)
-        if options is not None:
-            return list(options())
-    except ImportError:
-        pass
+    options = getattr(runtime.model_management(), "get_gpu_device_options", None)
+    if options is not None:
+        return list(options())
     from .devices import gpu_inventory
 
     return ["default", *(g.option for g in gpu_inventory())]

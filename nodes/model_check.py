@@ -35,9 +35,10 @@ def comfy_formats() -> dict[str, tuple[frozenset[str], frozenset[str]]] | None:
     `comfy.quant_ops.QUANT_ALGOS` (ComfyUI internal; read on 0.33.0 and the newest files:
     name -> {"storage_t": torch dtype, ...}); None without it. The scales each format requires
     are the pack's table (`FORMATS`), since QUANT_ALGOS lists optional ones too."""
-    try:
-        from comfy.quant_ops import QUANT_ALGOS
-    except ImportError:
+    from ..comfy_seam import runtime
+
+    QUANT_ALGOS = getattr(runtime.quant_ops(), "QUANT_ALGOS", None)  # noqa: N806
+    if QUANT_ALGOS is None:
         return None
     out = {}
     for name, algo in QUANT_ALGOS.items():
@@ -63,11 +64,9 @@ def model_file(model: Any) -> str | None:
 def _h3_class() -> type | None:
     """`comfy.model_base.MiniMaxH3` (ComfyUI internal; 0.33.0 and the newest files), or None
     on a ComfyUI without H3 or outside ComfyUI (the twin in tests)."""
-    try:
-        import comfy.model_base
-    except ImportError:
-        return None
-    return getattr(comfy.model_base, "MiniMaxH3", None)
+    from ..comfy_seam import runtime
+
+    return getattr(runtime.model_base(), "MiniMaxH3", None)
 
 
 def h3_model_problem(model: Any) -> str | None:

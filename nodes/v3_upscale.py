@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..comfy_seam import runtime
 from ..geometry import MAX_CANVAS_SIDE as SIZE_MAX
 from ..geometry import validate_canvas
 from ..planner.checkpoint_check import read_checkpoint
@@ -44,25 +45,24 @@ def _patcher_class(disable_dynamic: bool):
     """The patcher class ComfyUI loads its own models with: `comfy.model_patcher.CoreModelPatcher`
     (0.33.0 and newest; `ModelPatcherDynamic` under DynamicVRAM), the plain ModelPatcher when a
     non-dynamic copy is asked for or on a ComfyUI without it."""
-    import comfy.model_patcher
-
-    plain = comfy.model_patcher.ModelPatcher
-    return plain if disable_dynamic else getattr(comfy.model_patcher, "CoreModelPatcher", plain)
+    patchers = runtime.model_patcher()
+    plain = patchers.ModelPatcher
+    return plain if disable_dynamic else getattr(patchers, "CoreModelPatcher", plain)
 
 
 def load_upscaler_patcher(path: str, disable_dynamic: bool = False):
     """The upscaler checkpoint at `path` in ComfyUI's patcher class for models, with itself as
     the reload factory (`cached_patcher_init`: ComfyUI calls it for multi-GPU clones, with
     disable_dynamic=True for a non-dynamic one)."""
-    import comfy.model_management as mm
-    import comfy.utils
     import torch
 
     from ..upscale import build_from_state_dict
 
+    mm = runtime.model_management()
+
     if path.lower().endswith((".safetensors", ".sft")):
         read_checkpoint(path, "latent upscaler")  # a truncated or foreign file, named first
-    sd = comfy.utils.load_torch_file(path, safe_load=True)
+    sd = runtime.utils().load_torch_file(path, safe_load=True)
     try:
         net = build_from_state_dict(sd)
     except ValueError as exc:
@@ -146,11 +146,9 @@ class H3MultiGPULatentUpscale(io.ComfyNode):
     def execute(cls, model, samples, width, height) -> io.NodeOutput:
         validate_canvas(width, height)
         if isinstance(model, PackUpscaler):
-            import comfy.model_management as mm
-
             from ..upscale import upscale_latent
 
-            mm.load_models_gpu([model.patcher])
+            runtime.model_management().load_models_gpu([model.patcher])
             out = upscale_latent(model.patcher.model, samples, width, height,
                                  device=model.patcher.load_device)
             return io.NodeOutput(out)

@@ -85,8 +85,9 @@ class H3MultiGPUKeyframesToSize(io.ComfyNode):
 
     @classmethod
     def execute(cls, positive, vae, latent, first_frame=None, last_frame=None) -> io.NodeOutput:
-        import comfy.utils
         import node_helpers
+
+        from ..comfy_seam import runtime
 
         samples = latent["samples"]
         video = samples.tensors[0] if getattr(samples, "is_nested", False) else samples
@@ -96,7 +97,7 @@ class H3MultiGPUKeyframesToSize(io.ComfyNode):
         def fit(image, crop: str):
             # Same fitting as the first pass: the first frame is stretched, the last cropped.
             pixels = image[:1, :, :, :3].movedim(-1, 1)
-            pixels = comfy.utils.common_upscale(pixels, width, height, "lanczos", crop)
+            pixels = runtime.utils().common_upscale(pixels, width, height, "lanczos", crop)
             return pixels.movedim(1, -1)
 
         keyframes = []

@@ -1,0 +1,192 @@
+"""Every ComfyUI name and internal the pack relies on, with where and the releases checked.
+
+One `Internal` per thing the pack reads, calls, patches or assumes. `check(entry)` resolves it
+in the ComfyUI this process imports: an attribute (module path + attribute chain), a value
+(an attribute equal to the one `names` spells), a parameter (a callable's parameter at an
+index) or a source fact (a module's source contains a piece of text: how a call is made, a key
+read). `tests/test_comfy_seam_comfyui.py` checks every entry on each bed (ComfyUI 0.33.0 and the
+newest-files bed, upstream model.py @01a56b76); `releases` names where each was checked, and an
+entry only one of them has says so ("newest": the newest files only).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from . import names
+
+BOTH = ("0.33.0", "newest")
+NEWEST = ("newest",)
+RELEASE_033 = ("0.33.0",)
+
+
+@dataclass(frozen=True)
+class Internal:
+    target: str  # "module:attr.attr" (attr/value/param) or "module" (source)
+    kind: str = "attr"  # "attr" | "value" | "param" | "source"
+    expect: Any = None  # value: the value; param: (index, name); source: a text
+    used_by: str = ""  # the seam function (or feature) that relies on it
+    releases: tuple[str, ...] = BOTH
+
+
+def _i(target, kind="attr", expect=None, used_by="", releases=BOTH) -> Internal:
+    return Internal(target, kind, expect, used_by, releases)
+
+
+MP = "comfy.model_patcher:ModelPatcher"
+H3 = "comfy.ldm.minimax.model"
+MM = "comfy.model_management"
+
+INTERNALS: tuple[Internal, ...] = (
+    # ---- wrapper / callback types (names.py spells them)
+    _i("comfy.patcher_extension:WrappersMP.OUTER_SAMPLE", "value", names.OUTER_SAMPLE, "protocol"),
+    _i("comfy.patcher_extension:WrappersMP.PREPARE_SAMPLING", "value", names.PREPARE_SAMPLING,
+       "protocol"),
+    _i("comfy.patcher_extension:WrappersMP.DIFFUSION_MODEL", "value", names.DIFFUSION_MODEL,
+       "protocol"),
+    _i("comfy.patcher_extension:CallbacksMP.ON_LOAD", "value", names.ON_LOAD, "protocol"),
+    _i("comfy.patcher_extension:CallbacksMP.ON_DETACH", "value", names.ON_DETACH, "protocol"),
+    _i("comfy.patcher_extension:CallbacksMP.ON_CLEANUP", "value", names.ON_CLEANUP, "protocol"),
+    _i("comfy.patcher_extension:CallbacksMP.ON_APPLY_HOOKS", "value", names.ON_APPLY_HOOKS,
+       "protocol"),
+    # ---- the patcher API the protocol calls, and the attributes it reads
+    _i(f"{MP}.clone", used_by="protocol.remove, every apply_*"),
+    _i(f"{MP}.add_wrapper_with_key", used_by="protocol.install"),
+    _i(f"{MP}.remove_wrappers_with_key", used_by="protocol.remove (through the table)"),
+    _i(f"{MP}.add_callback_with_key", used_by="protocol.install"),
+    _i(f"{MP}.remove_callbacks_with_key", used_by="protocol.remove"),
+    _i(f"{MP}.set_model_patch_replace", used_by="protocol.install (block patches)"),
+    _i(f"{MP}.add_object_patch", used_by="protocol.install (object patches)"),
+    _i(f"{MP}.get_model_object", used_by="chunking, prefetch, guard"),
+    _i(f"{MP}.set_attachments", used_by="protocol.install (attachments)"),
+    _i(f"{MP}.is_dynamic", used_by="memory.is_dynamic, sequence"),
+    _i(f"{MP}.get_free_memory", used_by="memory.free_vram_bytes"),
+    _i("comfy.model_patcher", "source", "self.wrappers", "protocol.wrapper_table"),
+    _i("comfy.model_patcher", "source", "self.object_patches", "protocol.object_patches"),
+    _i("comfy.model_patcher", "source", "self.attachments", "protocol.remove (attachments)"),
+    _i("comfy.model_patcher", "source", "cached_patcher_init", "nodes.model_check.model_file"),
+    _i("comfy.model_patcher:CoreModelPatcher", used_by="nodes.v3_upscale"),
+    _i("comfy.model_patcher:LowVramPatch", used_by="tests (lowvram LoRA)"),
+    # ---- keys in model_options / transformer_options
+    _i("comfy.ldm.modules.attention", "source", f'"{names.OVERRIDE_KEY}"',
+       "protocol.override_of (the attention override wrap_attn reads)"),
+    _i("comfy.ldm.modules.attention", "source", "_inside_attn_wrapper",
+       "chunking.HeadGroups, dual_sage (override calls)"),
+    _i("comfy.ldm.modules.attention:wrap_attn", used_by="tests (AttentionCounter)"),
+    _i("comfy.ldm.modules.attention:AttentionTensorContainer", used_by="sequence (H3Ops.wrap)"),
+    _i(H3, "source", f'"{names.PATCHES_REPLACE}"', "protocol.block_patch_at"),
+    _i(H3, "source", f'get("{names.DIT_PATCH}"', "protocol (the H3 patches_replace group)"),
+    _i(H3, "source", f'("{names.DOUBLE_BLOCK}", i)', "protocol.block_patch"),
+    _i(H3, "source", '"original_block"', "dual_sage, prefetch, sequence block patches"),
+    _i("comfy.model_base", "source", f'"{names.PREFETCH_DYNAMIC_VBARS}"',
+       "prefetch (turns ComfyUI's block prefetch off while blocks stream)"),
+    _i("comfy.model_prefetch:make_prefetch_queue", used_by="memory.comfy_block_prefetch"),
+    # ---- the H3 model: what the chunk wrappers and the block patches rely on
+    _i(f"{H3}:MiniMaxH3Model.forward", used_by="h3.forward_options"),
+    _i(H3, "source", ".execute(x, timestep, context, transformer_options",
+       "h3.forward_options (transformer_options at args[3] of a DIFFUSION_MODEL wrapper)"),
+    _i(H3, "source", "new_class_executor(\n            self._forward,\n            self,",
+       "h3.diffusion_model_of (WrapperExecutor.class_obj is the model)"),
+    _i("comfy.patcher_extension:WrapperExecutor.new_class_executor", used_by="h3"),
+    _i(f"{H3}:DiTBlock.forward", "param", (5, "transformer_options"),
+       "chunking (upstream's block runs unchanged)"),
+    _i(H3, "source", "self.qkv_proj(x).split(", "chunking (qkv_proj called once on [S, C])"),
+    _i(H3, "source", "return self.out_proj(out.squeeze(0))",
+       "chunking (out_proj called once on [S, I])"),
+    _i(H3, "source", "self.mlp(h)", "chunking (mlp called once on [S, C])"),
+    _i(H3, "source", 'comfy.ops.linear_input_act(self.fc2, self.fc1(x), "swiglu")',
+       "h3.fused_int8_fc2, sizing (the MLP's kernels)"),
+    _i(H3, "source", "optimized_attention(q, k, v, self.heads",
+       "chunking.HeadGroups, dual_sage (the call site and its heads)"),
+    _i(f"{H3}:optimized_attention", used_by="h3.default_attention"),
+    _i(f"{H3}:Attention", used_by="chunking (heads, head_dim)"),
+    _i(H3, "source", "comfy_attention", "h3.preferred_function", NEWEST),
+    _i("comfy.ldm.modules.attention:ComfyAttention", used_by="h3.preferred_function",
+       releases=NEWEST),
+    _i("comfy.ops:linear_input_act", used_by="h3.fused_int8_fc2"),
+    _i(f"{MM}:in_training", used_by="h3.in_training"),
+    _i(f"{MM}:cast_to", used_by="sequence (H3Ops.norm_weight)"),
+    # ---- weights and adapters
+    _i("comfy.quant_ops:QuantizedTensor", used_by="h3.weight_format"),
+    _i("comfy_kitchen.tensor.base", "source", "_layout_cls",
+       "h3.weight_format (comfy-kitchen's QuantizedTensor, which comfy.quant_ops exports)"),
+    _i("comfy.quant_ops:QUANT_ALGOS", used_by="nodes.model_check"),
+    _i("comfy.weight_adapter.bypass:BypassForwardHook", used_by="h3.activation_adapter_ranks"),
+    _i("comfy.weight_adapter.bypass", "source", "self.original_forward",
+       "h3.activation_adapter_ranks"),
+    _i("comfy.weight_adapter.bypass", "source", "self.adapter = adapter",
+       "h3.activation_adapter_ranks"),
+    # ---- the loader (legacy path) the prefetcher hooks
+    _i("comfy.model_patcher", "source", "\"set_{}\".format(", "loader.setter_key (set_<param>)"),
+    _i("comfy.model_patcher", "source", "return_weight", "loader.setter_key (LowVramPatch)"),
+    _i("comfy.model_patcher", "source", "return self.size",
+       "loader.set_load_size (ModelPatcher.size, what model_size() returns)"),
+    _i("comfy.float:stochastic_rounding", used_by="loader.stochastic_round"),
+    # ---- memory, devices, progress
+    _i(f"{MM}:get_free_memory", used_by="memory.free_vram_bytes"),
+    _i(f"{MM}:get_torch_device", used_by="nodes.v3_upscale"),
+    _i(f"{MM}:get_all_torch_devices", used_by="nodes.devices"),
+    _i(f"{MM}:get_total_memory", used_by="nodes.comfy_placement"),
+    _i(f"{MM}:free_memory", used_by="decode.core, nodes.comfy_placement, sequence"),
+    _i(f"{MM}:soft_empty_cache", used_by="nodes.comfy_placement"),
+    _i(f"{MM}:current_loaded_models", used_by="nodes.comfy_placement"),
+    _i(f"{MM}:load_models_gpu", used_by="decode.core, nodes.v3_upscale"),
+    _i(f"{MM}:intermediate_device", used_by="decode.core"),
+    _i(f"{MM}:throw_exception_if_processing_interrupted", used_by="decode.core"),
+    _i(f"{MM}:resolve_gpu_device_option", used_by="nodes.comfy_placement"),
+    _i(f"{MM}:get_gpu_device_options", used_by="nodes.comfy_types"),
+    _i(f"{MM}:pin_memory", used_by="memory.pin_host"),
+    _i(f"{MM}:unpin_memory", used_by="memory.unpin_host"),
+    _i(f"{MM}:MAX_PINNED_MEMORY", used_by="memory.comfy_pin_budget"),
+    _i(f"{MM}:TOTAL_PINNED_MEMORY", used_by="memory.comfy_pin_budget"),
+    _i(f"{MM}:NUM_STREAMS", used_by="memory.comfy_block_prefetch"),
+    _i("comfy.memory_management:aimdo_enabled", used_by="memory.dynamic_vram_enabled"),
+    _i("comfy.utils:ProgressBar", used_by="decode.core"),
+    _i("comfy.utils:common_upscale", used_by="nodes.v3_utils"),
+    _i("comfy.utils:load_torch_file", used_by="nodes.v3_upscale"),
+    _i("comfy.model_base:MiniMaxH3", used_by="nodes.model_check"),
+    # the newest-files bed serves 0.3.64's comfy_extras, which has no multi-GPU nodes: the pack
+    # feature-detects them (runtime.nodes_multigpu() is None there)
+    _i("comfy_extras.nodes_multigpu", "source", "class ", "nodes.comfy_placement",
+       RELEASE_033),
+)
+
+
+def check(entry: Internal) -> str | None:
+    """None when `entry` holds in the ComfyUI this process imports, else what is wrong."""
+    module_name, _, path = entry.target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        return f"{module_name} does not import: {exc}"
+    if entry.kind == "source":
+        try:
+            text = inspect.getsource(obj)
+        except (OSError, TypeError) as exc:
+            return f"{module_name}: no source ({exc})"
+        return None if entry.expect in text else f"{module_name} no longer has {entry.expect!r}"
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return f"{entry.target}: no attribute {part!r}"
+        obj = getattr(obj, part)
+    if entry.kind == "value" and obj != entry.expect:
+        return f"{entry.target} is {obj!r}, the pack spells {entry.expect!r}"
+    if entry.kind == "param":
+        index, name = entry.expect
+        params = list(inspect.signature(obj).parameters)
+        if len(params) <= index or params[index] != name:
+            return f"{entry.target}: parameter {index} is not {name!r} ({params})"
+    return None
+
+
+def release_of_running() -> str:
+    """Which bed this process runs: "newest" when the H3 model carries the newest files'
+    per-module preferred attention, else "0.33.0"."""
+    try:
+        text = inspect.getsource(importlib.import_module(H3))
+    except (ImportError, OSError):
+        return "unknown"
+    return "newest" if "ComfyAttention" in text else "0.33.0"

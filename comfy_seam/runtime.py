@@ -1,0 +1,46 @@
+"""ComfyUI's modules, for the pack's calls of its public functions (model management, utils,
+the patcher classes, the model and quantization registries). Each returns the module, or None
+outside ComfyUI (the CLI, the twin tests); callers name the functions they call, and
+`internals.INTERNALS` lists every one with the releases it was checked on."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def model_management() -> ModuleType | None:
+    """`comfy.model_management`."""
+    return _module("comfy.model_management")
+
+
+def utils() -> ModuleType | None:
+    """`comfy.utils` (load_torch_file, common_upscale, ProgressBar)."""
+    return _module("comfy.utils")
+
+
+def model_patcher() -> ModuleType | None:
+    """`comfy.model_patcher` (ModelPatcher, CoreModelPatcher, LowVramPatch)."""
+    return _module("comfy.model_patcher")
+
+
+def model_base() -> ModuleType | None:
+    """`comfy.model_base` (MiniMaxH3)."""
+    return _module("comfy.model_base")
+
+
+def quant_ops() -> ModuleType | None:
+    """`comfy.quant_ops` (QUANT_ALGOS, QuantizedTensor)."""
+    return _module("comfy.quant_ops")
+
+
+def nodes_multigpu() -> ModuleType | None:
+    """`comfy_extras.nodes_multigpu` (the core Select*Device nodes)."""
+    return _module("comfy_extras.nodes_multigpu")
