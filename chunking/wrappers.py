@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..comfy_seam import h3 as seam_h3
+from ..comfy_seam import names
 from ..comfy_seam.memory import free_vram_bytes
 from ..comfy_seam.protocol import override_of
 from . import sizing
@@ -336,7 +337,7 @@ class HeadGroups:
         """What ComfyUI would run for this call without us: called by ComfyUI itself with no
         override before us, the running module's preferred attention where it has one
         (`wrap_attn` pops `preferred_attention` before it calls an override), else `func`."""
-        options = kwargs.get("transformer_options")
+        options = kwargs.get(names.TRANSFORMER_OPTIONS)
         outermost = isinstance(options, dict) and seam_override(options) is self
         if outermost and self.previous is None and chunker is not None:
             preferred = seam_h3.preferred_function(chunker.block.attn)

@@ -91,6 +91,27 @@ def options(patcher: Any) -> dict:
     return patcher.model_options.setdefault(names.TRANSFORMER_OPTIONS, {})
 
 
+def is_patcher(obj: Any) -> bool:
+    """A ModelPatcher (or the twin's): it has model_options."""
+    return isinstance(getattr(obj, "model_options", None), dict)
+
+
+def status_lines(patcher: Any) -> dict[str, str]:
+    """{feature: status line} the features recorded on a patcher (empty when none)."""
+    if not is_patcher(patcher):
+        return {}
+    recorded = patcher.model_options.get(names.TRANSFORMER_OPTIONS, {}).get(names.STATUS_KEY, {})
+    return {name: str(text) for name, text in recorded.items()}
+
+
+def record_status(patcher: Any, feature: str, line: str) -> dict:
+    """Write `feature`'s status line on a patcher (a fresh dict: a clone never writes into the
+    one its parent shares); returns the dict, which a feature may keep to rewrite the line."""
+    to = options(patcher)
+    to[names.STATUS_KEY] = {**to.get(names.STATUS_KEY, {}), feature: line}
+    return to[names.STATUS_KEY]
+
+
 def installed(patcher: Any) -> tuple[Installed, ...]:
     return tuple(options(patcher).get(names.SEAM_KEY, ()))
 

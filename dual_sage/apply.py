@@ -224,7 +224,7 @@ class ShardingFunction:
     def __call__(self, q: Any, k: Any, v: Any, heads: int, *args: Any, **kwargs: Any) -> Any:
         """Shard when the call is H3's `[1, H, S, D]` unmasked attention, else `function`."""
         q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
-        if not heads_allowed(kwargs.get("transformer_options")):
+        if not heads_allowed(kwargs.get(names.TRANSFORMER_OPTIONS)):
             # this step runs sequence-parallel (the call is already one GPU's head share) or on
             # one GPU: the function ComfyUI would run, unsharded
             return self.function(q, k, v, heads, *args, **kwargs)
@@ -256,7 +256,7 @@ class DualSageOverride:
 
     def __call__(self, func: Any, q: Any, k: Any, v: Any, heads: int, *args: Any,
                  **kwargs: Any) -> Any:
-        options = kwargs.get("transformer_options")
+        options = kwargs.get(names.TRANSFORMER_OPTIONS)
         outermost = isinstance(options, dict) and protocol.override_of(options) is self
         sharding = ShardingFunction(self.sharded, self.function_for(func, outermost))
         if self.previous is not None:

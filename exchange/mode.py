@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-PARALLEL_KEY = "h3_multigpu_parallel"
+from ..comfy_seam.names import PARALLEL_KEY
 
 
 class ParallelMode(enum.Enum):

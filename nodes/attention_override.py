@@ -57,11 +57,11 @@ def apply_backend_override(model: Any, backend: str) -> Any:
         from ..dual_sage.apply import sage_node_words, status_text
 
         how = " (sharded by the Dual-Sage installed before)"
-        record(patched.model_options, "dual_sage",
+        record(patched, "dual_sage",
                status_text(previous.sharded, function=sage_node_words(backend)))
     elif previous is not None:
         how = " (chained under the override already installed)"
     else:
         how = ""
-    record(patched.model_options, "attention", f"backend {backend}{how}")
+    record(patched, "attention", f"backend {backend}{how}")
     return patched

@@ -205,7 +205,7 @@ def apply_plan(model: Any, plan: Any, placement: Placement,
                 lines[name] = "applied (the library recorded no status line)"
             except FeatureUnavailable as exc:
                 lines[name] = f"NOT ACTIVE: {exc}"
-    recorded = feature_lines(getattr(model, "model_options", None))
+    recorded = feature_lines(model)
     for name, line in recorded.items():
         if name not in lines or lines[name].startswith("applied"):
             lines[name] = line  # the library's own words win for what it applied

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..comfy_seam import protocol
-from ..comfy_seam.names import STATUS_KEY, TRANSFORMER_OPTIONS
 from .devices import GiB
 from .placement import Placement
 
@@ -33,26 +32,20 @@ def comfyui_support_line(node_classes) -> str:
     return f"ComfyUI: MiniMax H3 nodes present; {upscale}"
 
 
-def feature_lines(model_options: dict[str, Any] | None) -> dict[str, str]:
+def feature_lines(model: Any) -> dict[str, str]:
     """{feature: status line} recorded on a patched model (empty when none)."""
-    if not model_options:
-        return {}
-    recorded = model_options.get(TRANSFORMER_OPTIONS, {}).get(STATUS_KEY, {})
-    return {name: str(text) for name, text in recorded.items()}
+    return protocol.status_lines(model)
 
 
-def record(model_options: dict[str, Any], feature: str, line: str) -> None:
+def record(model: Any, feature: str, line: str) -> None:
     """Write a status line the way apply_* does (used by our own SageAttention node)."""
-    to = model_options.setdefault(TRANSFORMER_OPTIONS, {})
-    # Copy so a clone never writes into the dict its parent shares.
-    to[STATUS_KEY] = dict(to.get(STATUS_KEY, {}))
-    to[STATUS_KEY][feature] = line
+    protocol.record_status(model, feature, line)
 
 
 def hooks_line(model: Any) -> str | None:
     """What the pack installed on a patched model, by whom, in which order (the seam's
     `describe`), or None for a model the pack did not patch."""
-    if model is None or not hasattr(model, "model_options") or not protocol.installed(model):
+    if not protocol.is_patcher(model) or not protocol.installed(model):
         return None
     return protocol.describe_line(model)
 

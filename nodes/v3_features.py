@@ -25,7 +25,7 @@ def backend_names() -> list[str]:
 
 
 def _result(model, feature: str) -> io.NodeOutput:
-    line = feature_lines(getattr(model, "model_options", None)).get(
+    line = feature_lines(model).get(
         feature, "applied (the library recorded no status line)")
     status = f"{feature}: {line}"
     hooks = hooks_line(model)

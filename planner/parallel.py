@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..chunking.sizing import EXACT_MIN_ROWS  # the GPU row floor (torch-free)
 from ..sequence import sizing as sequence_sizing
 from .hardware import GPUSpec, HardwareProfile
 from .request import PARALLEL_MODES as MODES
 from .timing import link_speed as _link_speed
-
-EXACT_MIN_ROWS = 4096  # sequence.split.EXACT_MIN_ROWS_GPU (kept torch-free here)
 
 
 @dataclass(frozen=True, kw_only=True)

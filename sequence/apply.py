@@ -34,9 +34,12 @@ import torch
 from ..chunking import exact_rows
 from ..chunking.formats import device_name, is_nvidia, linear_shape
 from ..comfy_seam.memory import free_vram_bytes
+from ..comfy_seam.names import DIFFUSION_MODEL, ON_DETACH, OUTER_SAMPLE
+from ..comfy_seam.names import SEQUENCE_KEY as WRAPPER_KEY
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
+from ..geometry import HEADS
 from . import sizing
 from .h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
 from .runner import SequenceRunner, SplitState, device_current
@@ -45,10 +48,6 @@ from .weights import REPLICA, STREAM, HelperWeights, choose_mode
 
 log = logging.getLogger(__name__)
 
-WRAPPER_KEY = "h3_multigpu.sequence"
-DIFFUSION_MODEL = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL value
-OUTER_SAMPLE = "outer_sample"  # ComfyUI's WrappersMP.OUTER_SAMPLE value
-ON_DETACH = "on_detach_after"  # ComfyUI's CallbacksMP.ON_DETACH value
 GIB = 1 << 30
 DEFAULT_LINK = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
 DYNAMIC_VRAM_OFF = ("off: under DynamicVRAM the helper weights need ComfyUI-managed clones "
@@ -94,7 +93,7 @@ class SequenceParallelConfig:
     link_gbps: float | None = None
     host_gbps: float = 25.0
     margin: float = sizing.DEFAULT_MARGIN
-    heads: int = 56  # used when the model does not say
+    heads: int = HEADS  # used when the model does not say
     note: str = ""  # appended to the status line (the plan's per-pass prediction)
 
     def __post_init__(self) -> None:

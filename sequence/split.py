@@ -26,12 +26,13 @@ from functools import lru_cache
 
 import torch
 
+# smallest row share whose GEMMs matched the full-length run on H200 (the chunking floor)
+from ..chunking.sizing import EXACT_MIN_ROWS as EXACT_MIN_ROWS_GPU  # noqa: E402
 from ..chunking.sizing import MIN_QUERY_TILES_PER_CALL
 from ..dual_sage.exactness import default_range
 from ..exchange import shares
 from .sizing import DEFAULT_CHUNK_HEADS
 
-EXACT_MIN_ROWS_GPU = 4096  # smallest row share whose GEMMs matched the full-length run on H200
 # CPU stand-ins (tests): small-M paths for a few rows (1-3 rows differed on AVX2; fp32 with two
 # threads up to 11 rows on x86-64, torch 2.13; bf16 none)
 EXACT_MIN_ROWS_CPU = 16

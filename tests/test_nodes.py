@@ -226,9 +226,9 @@ def test_status_reports_the_plans_peaks_per_gpu():
 def test_status_lines_recorded_on_a_clone_stay_on_the_clone(tiny_twin):
     base = TwinPatcher(tiny_twin)
     clone = base.clone()
-    record(clone.model_options, "attention", "backend sdpa")
-    assert feature_lines(clone.model_options) == {"attention": "backend sdpa"}
-    assert feature_lines(base.model_options) == {}
+    record(clone, "attention", "backend sdpa")
+    assert feature_lines(clone) == {"attention": "backend sdpa"}
+    assert feature_lines(base) == {}
 
 
 # ---------------------------------------------------------------------- features from a plan
@@ -284,7 +284,7 @@ def test_backend_override_matches_the_default_attention_and_chains(tiny_twin, ti
     # ... which received our kernel as func
     assert all(c.backend.name == "sdpa" for c in calls)
     assert base.model_options["transformer_options"][OVERRIDE_KEY] is previous
-    assert "chained" in feature_lines(patched.model_options)["attention"]
+    assert "chained" in feature_lines(patched)["attention"]
     with pytest.raises(ValueError, match="unknown attention backend"):
         apply_backend_override(base, "no_such_kernel")
 
