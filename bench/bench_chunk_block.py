@@ -78,6 +78,22 @@ def block_inputs(block, tokens: int, device, dtype, h3):
     return x, t_emb, segments, h3.rope_rotation_table(angles, dtype)
 
 
+def call_variants(block, runtime, options, old_cls, config, t_emb, segments, rope) -> dict:
+    """name -> fn(x): one block call on x (modified in place, as upstream's block does)."""
+    def stock(xi):
+        return block.forward(xi, t_emb, segments, rope, transformer_options={})
+
+    def chunked(xi):
+        with runtime.wrapped():
+            return block.forward(xi, t_emb, segments, rope, transformer_options=options)
+
+    variants = {"stock": stock, "chunked": chunked}
+    if old_cls is not None:
+        old = old_cls(block, config)
+        variants["old"] = lambda xi: old(xi, t_emb, segments, rope, transformer_options={})
+    return variants
+
+
 def timed(fn, x, reps: int, device):
     """(output, median seconds, peak bytes above the start, block input included)."""
     cuda = device.type == "cuda"
@@ -140,18 +156,8 @@ def main(argv=None) -> int:
         for tokens in tokens_list:
             x, t_emb, segments, rope = block_inputs(block, tokens, device, torch.bfloat16, h3)
 
-            def stock(xi):
-                return block.forward(xi, t_emb, segments, rope, transformer_options={})
-
-            def chunked(xi):
-                with runtime.wrapped():
-                    return block.forward(xi, t_emb, segments, rope, transformer_options=options)
-
-            variants = {"stock": stock, "chunked": chunked}
-            if old_cls is not None:
-                old = old_cls(block, config)
-                variants["old"] = lambda xi, old=old: old(xi, t_emb, segments, rope,
-                                                          transformer_options={})
+            variants = call_variants(block, runtime, options, old_cls, config, t_emb, segments,
+                                     rope)
             reference = None
             with torch.inference_mode():
                 for name, fn in variants.items():
@@ -175,8 +181,8 @@ def main(argv=None) -> int:
                     rows.append(case)
                     print(f"{weights} S={tokens} {name}: {seconds * 1e3:.2f} ms, peak "
                           f"{(peak or 0) / 2**30:.2f} GiB, equal {same}", flush=True)
-            del x, t_emb, rope, reference
-        del block, runtime, patcher
+            x = t_emb = rope = reference = None
+        block = runtime = patcher = None
         comfy.model_management.unload_all_models()
         comfy.model_management.soft_empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
