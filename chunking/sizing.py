@@ -369,18 +369,21 @@ def attention_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *,
         a2 = x + h + qkv + _attention_call_bytes(s, dims.heads, dims, kernels)
         a3 = x + h + attn_out + linear_call_bytes(s, c, adapters.out_proj, adapters.rank, e)
         return max(norm1, a1, a2, a3)
-    if qkv_chunk:
-        m = largest_chunk_rows(s, qkv_chunk,
-                               _floors(floors, dims, adapters).split_floor("qkv"))
+    # upstream's block holds h through its attention call; the wrappers fill one output buffer
+    # per chunked projection ([S, 3I] for qkv, [S, C] for out_proj), a chunk's call at a time
+    m = largest_chunk_rows(s, qkv_chunk, _floors(floors, dims, adapters).split_floor(
+        "qkv")) if qkv_chunk else s
+    if m < s:
         b1 = x + h + qkv + linear_call_bytes(m, 3 * i, adapters.qkv, adapters.rank, e)
+        b3 = x + h + attn_out + s * c * e + linear_call_bytes(m, c, adapters.out_proj,
+                                                               adapters.rank, e)
     else:
-        m = s
         b1 = x + h + linear_call_bytes(s, 3 * i, adapters.qkv, adapters.rank, e)
-    if group:  # h is gone; one [S,I] output buffer, one group's temporaries at a time
-        b2 = x + qkv + attn_out + _attention_call_bytes(s, group, dims, kernels)
+        b3 = x + h + attn_out + linear_call_bytes(s, c, adapters.out_proj, adapters.rank, e)
+    if group:  # one [S, I] output buffer, one group's temporaries at a time
+        b2 = x + h + qkv + attn_out + _attention_call_bytes(s, group, dims, kernels)
     else:
-        b2 = x + qkv + _attention_call_bytes(s, dims.heads, dims, kernels)
-    b3 = x + attn_out + linear_call_bytes(m, c, adapters.out_proj, adapters.rank, e)
+        b2 = x + h + qkv + _attention_call_bytes(s, dims.heads, dims, kernels)
     return max(norm1, b1, b2, b3)
 
 
@@ -409,16 +412,20 @@ def mlp_phase_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *, ffn_chun
                          floors: RowFloors | None = None) -> int:
     """Peak activation bytes from norm2 to the gated MLP residual (see module legend).
 
-    chunked_block: whether the patched block forward runs (it frees the attention phase's h
-    before norm2); defaults to `ffn_chunk > 0`. The plain block keeps it (moment M0).
+    Upstream's block keeps the attention phase's h while norm2 makes the new one (moment M0).
+    chunked_block: kept for callers. The MLP's chunks (ffn_chunk > 0) are written back into
+    h's rows (`wrappers.project_rows`), a chunk's fc1 -> SwiGLU -> fc2 at a time.
     """
     _check(tokens, ffn_chunk=ffn_chunk)
-    chunked_block = bool(ffn_chunk) if chunked_block is None else chunked_block
     s, e = tokens, dims.element_bytes
     x = h = s * dims.hidden * e
-    m0 = (x + h if chunked_block else x + 2 * h) + int(kernels.norm_temp_bytes * s * dims.hidden)
-    floor = _floors(floors, dims, adapters).split_floor("ffn") if ffn_chunk else 0
-    rows = largest_chunk_rows(s, ffn_chunk, floor) if ffn_chunk else s
+    m0 = x + 2 * h + int(kernels.norm_temp_bytes * s * dims.hidden)
+    if not ffn_chunk:
+        return max(m0, x + h + _mlp_moments(s, dims, adapters, kernels))
+    floor = _floors(floors, dims, adapters).split_floor("ffn")
+    rows = largest_chunk_rows(s, ffn_chunk, floor)
+    if rows >= s:  # one chunk: the whole MLP, as unchunked
+        return max(m0, x + h + _mlp_moments(s, dims, adapters, kernels))
     return max(m0, x + h + _mlp_moments(rows, dims, adapters, kernels))
 
 

@@ -9,9 +9,10 @@ changes only on which rows its modules run, never what they compute:
     attention                  g heads per call of the function ComfyUI would run (an attention
                                override, `HeadGroups`, chained with any other override)
     attn.out_proj.forward(o)   row chunks into one [S, C] buffer
-    mlp.forward(h)             row chunks into one [S, C] buffer: each chunk runs upstream's
-                               whole MLP (fc1 -> SwiGLU -> fc2, ComfyUI's fused
-                               `linear_input_act` there), so the fc1 output is chunk-sized
+    mlp.forward(h)             row chunks written back into h's rows (upstream drops h after
+                               the call): each chunk runs upstream's whole MLP (fc1 -> SwiGLU
+                               -> fc2, ComfyUI's fused `linear_input_act` there), so the fc1
+                               output is chunk-sized
 
 The module wrappers are installed at call time, by a DIFFUSION_MODEL wrapper, around whatever
 forward the module has at that moment (ComfyUI injects its bypass adapters while it loads the
@@ -53,17 +54,23 @@ WRAPPED = ("attn.qkv_proj", "attn.out_proj", "mlp")  # the modules whose forward
 
 
 def project_rows(forward: Callable[[torch.Tensor], torch.Tensor], x_SK: torch.Tensor,
-                 ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """forward(x) as [S, N], computed range by range into one preallocated buffer (rows of
-    chunk [a, b) land in rows [a, b)): only one chunk's output and temporaries exist besides."""
+                 ranges: list[tuple[int, int]], into_input: bool = False) -> torch.Tensor:
+    """forward(x) as [S, N], computed range by range into one buffer (rows of chunk [a, b)
+    land in rows [a, b)): only one chunk's output and temporaries exist besides.
+
+    into_input: the buffer is x itself when the output has x's shape and dtype (chunk [a, b)
+    is written after its own rows were read, and no later chunk reads them): for the MLP,
+    whose input upstream's block drops right after the call."""
     if len(ranges) <= 1:
         return forward(x_SK)
     out_SN = None
     for start, stop in ranges:
         part = forward(x_SK[start:stop])
         if out_SN is None:
-            out_SN = torch.empty((x_SK.shape[0], *part.shape[1:]), dtype=part.dtype,
-                                 device=part.device)
+            reuse = (into_input and x_SK.is_contiguous() and part.dtype == x_SK.dtype
+                     and part.shape[1:] == x_SK.shape[1:] and not x_SK.requires_grad)
+            out_SN = x_SK if reuse else torch.empty(
+                (x_SK.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
         out_SN[start:stop].copy_(part)
         del part  # free this chunk before the next one is computed
     return out_SN
@@ -85,7 +92,8 @@ class RowChunkedForward:
             return self.original_forward(x, *args, **kwargs)
         ranges = self.chunker.ranges(self.name, x)
         self.chunker.calls[self.name] += len(ranges)
-        return project_rows(self.original_forward, x, ranges)
+        # the MLP's input is upstream's modulated norm2 output, dropped after this call
+        return project_rows(self.original_forward, x, ranges, into_input=self.name == "mlp")
 
 
 class BlockChunker:

@@ -197,8 +197,8 @@ def test_a_chunk_written_to_the_wrong_rows_is_caught(bf16_twin, bf16_inputs, mon
 
     original = wrappers.project_rows
 
-    def reversed_rows(forward, x, ranges):
-        out = original(forward, x, ranges)
+    def reversed_rows(forward, x, ranges, **kwargs):
+        out = original(forward, x, ranges, **kwargs)
         if len(ranges) > 1:  # the first chunk's rows and the last chunk's swapped
             (a0, b0), (a1, b1) = ranges[0], ranges[-1]
             n = min(b0 - a0, b1 - a1)

@@ -100,7 +100,7 @@ def test_the_users_15s_case_still_fits_with_rank_32_and_128():
         floors = sizing.planned_floors(BlockDims(), Adapters(rank=rank, qkv=1, fc1=1))
         realised = sizing.row_chunks(plan.tokens, plan.chunking.qkv_chunk,
                                      floors.split_floor("qkv"))
-        assert min(b - a for a, b in realised) >= 5000 and len(realised) > 1
+        assert min(b - a for a, b in realised) >= floors.split_floor("qkv") and len(realised) > 1
         assert plan.chunking.reason.endswith("(row chunking: exact)"), plan.chunking.reason
     unmeasured = plan_job(PlanRequest(width=1312, height=736, seconds=15, profile="2xR9700",
                                       lora_rank=64, parallel="heads"))
@@ -350,9 +350,10 @@ def test_auto_chunks_an_int8_convrot_block_below_4096_rows():
     small = sizing.choose_chunks(free, 8_000, dims, floors=int8)
     assert not bf16.fits  # two chunks would go under 4,096 rows: realised whole
     assert len(sizing.row_chunks(8_000, bf16.ffn_chunk, 4096)) == 1
-    # no 4,096-row floor to stay above: realised as 4,096 + 3,904 rows
-    assert small.fits and [b - a for a, b in sizing.row_chunks(
-        8_000, small.ffn_chunk, int8.split_floor("ffn"))] == [4096, 3904]
+    # no 4,096-row floor to stay above: realised in chunks below it
+    realised = [b - a for a, b in sizing.row_chunks(8_000, small.ffn_chunk,
+                                                    int8.split_floor("ffn"))]
+    assert small.fits and len(realised) > 1 and min(realised) < 4096 and sum(realised) == 8_000
     never = RowFloors(ffn=None, ffn_never=True, ffn_why="fc1: NVFP4 ... whole tensor")
     assert sizing.choose_chunks(1 << 30, 8_000, dims, floors=never).ffn_chunk == 0
 

@@ -80,11 +80,14 @@ def test_chunking_lowers_each_phase_and_more_chunks_lower_it_further():
     for chunk in (51_200, 16_384, 4_096):
         peak = sizing.block_peak_bytes(PASS2_15S, ffn_chunk=chunk, qkv_chunk=chunk,
                                        head_group=14, adapters=LORA)
-        assert peak.attention_bytes < previous.attention_bytes
+        # smaller qkv chunks stop helping once the attention call itself dominates
+        assert peak.attention_bytes <= previous.attention_bytes
         assert peak.mlp_bytes < previous.mlp_bytes
         previous = peak
-    # what chunking cannot remove: x, the qkv buffer and the attention output buffer
-    floor = PASS2_15S * (5376 + 3 * 7168 + 7168) * 2
+    assert previous.attention_bytes < plain.attention_bytes
+    # what chunking cannot remove: x, the h upstream's block holds through attention, the qkv
+    # buffer and the attention output buffer
+    floor = PASS2_15S * (2 * 5376 + 3 * 7168 + 7168) * 2
     assert floor < previous.attention_bytes < floor * 1.1
 
 
@@ -103,7 +106,7 @@ def test_choose_chunks_prefers_no_chunking_when_it_fits():
     assert (choice.ffn_chunk, choice.qkv_chunk, choice.head_group) == (0, 0, 0) and choice.fits
 
 
-@pytest.mark.parametrize("free_gib", [11.0, 9.0, 7.5])
+@pytest.mark.parametrize("free_gib", [11.0, 9.0, 8.5])
 def test_choose_chunks_fits_the_budget_with_the_least_chunking(free_gib):
     free = int(free_gib * GiB)
     choice = sizing.choose_chunks(free, PASS2_15S, adapters=LORA)

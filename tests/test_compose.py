@@ -142,8 +142,8 @@ def test_a_broken_feature_fails(tiny_config_module, tiny_inputs_module, referenc
 
         original = wrappers.project_rows
 
-        def off_by_one(forward, x, ranges):
-            out = original(forward, x, ranges)
+        def off_by_one(forward, x, ranges, **kwargs):
+            out = original(forward, x, ranges, **kwargs)
             return torch.roll(out, 1, dims=0) if len(ranges) > 1 else out
 
         monkeypatch.setattr(wrappers, "project_rows", off_by_one)

@@ -96,10 +96,10 @@ def test_activation_model_unchunked_per_token():
 def test_chunking_lowers_peak_and_choose_chunks_respects_budget():
     tokens = 102_107
     plain = block_activation_peak(tokens, lora_on_activations=True).peak_bytes
-    chunks = choose_chunks(int(7.5 * GiB), tokens, lora_on_activations=True)
+    chunks = choose_chunks(int(8.5 * GiB), tokens, lora_on_activations=True)
     chunked = block_activation_peak(tokens, BlockDims(), chunks,
                                     lora_on_activations=True).peak_bytes
-    assert chunks.ffn_chunk and chunked < plain and chunked <= 7.5 * GiB
+    assert chunks.ffn_chunk and chunked < plain and chunked <= 8.5 * GiB
     assert choose_chunks(plain, tokens, lora_on_activations=True) == ChunkSettings()
 
 
