@@ -343,3 +343,40 @@ def test_int8_convrot_chunked_equals_unpatched(case, lora_sd, monkeypatch):
         assert bypass_adapted_modules(chunked) == 4 * (INT8.blocks + INT8.refiner_blocks)
         assert dict(forward.adapter_ranks()) == {"qkv_proj": (4,), "out_proj": (4,),
                                                  "fc1": (4,), "fc2": ()}
+
+
+def test_head_groups_run_the_modules_preferred_attention(monkeypatch):
+    """Newest files: a checkpoint's per-module preferred attention is what ComfyUI runs; the
+    head-group override (which wrap_attn calls with ComfyUI's default as `func`) must run the
+    preferred function per group, as the unpatched call runs it whole."""
+    from comfyui_h3 import preferred_attention_missing, set_preferred_attention
+
+    patcher = make_tiny_h3(CONFIG, seed=0)
+    why = preferred_attention_missing(patcher)
+    if why:
+        pytest.skip(why)
+    comfy = import_comfyui_or_skip()
+    h3 = comfy.ldm.minimax.model
+    default = getattr(h3.optimized_attention, "__wrapped__", h3.optimized_attention)
+    heads_seen = []
+
+    def counted(q, k, v, heads, *args, **kwargs):
+        heads_seen.append(heads)
+        return default(q, k, v, heads, *args, **kwargs)
+
+    # registered attention functions are wrap_attn-wrapped: they take ComfyUI's containers
+    preferred = comfy.ldm.modules.attention.wrap_attn(counted)
+
+    inputs = make_inputs(CONFIG, keyframe=True, audio_mask=True)
+    assert set_preferred_attention(patcher, preferred) > 0
+    try:
+        reference = run_like_sampler(patcher, inputs)
+        unpatched = list(heads_seen)
+        heads_seen.clear()
+        chunked = apply_activation_chunking(patcher, ChunkingConfig(head_group=3))
+        out = run_like_sampler(chunked, inputs)
+    finally:
+        set_preferred_attention(patcher, None)
+    assert unpatched.count(CONFIG.heads) >= CONFIG.blocks
+    assert heads_seen.count(3) == 2 * CONFIG.blocks and heads_seen.count(2) == CONFIG.blocks
+    _same_as_unpatched(out, reference, chunked, 0, (0, 0, 3))
