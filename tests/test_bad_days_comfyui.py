@@ -249,16 +249,15 @@ def test_cancel_seen_by_a_decode_helper_thread_stops_the_decode(monkeypatch):
     """ComfyUI clears its cancel flag as it raises: when a helper thread's own layer is the one
     that sees it, the split decode must still end as cancelled (not redo the helper's windows
     on the root as after a failure), leave no decode thread behind, and decode exactly next."""
+    import comfy.ldm.minimax.vae as h3_vae
     import comfy.model_management as mm
+    import comfy.ops
+    import comfy.sd
+    import comfy.utils
     from test_decode_comfyui import _latent, _same_bits, _tiny_vae
 
     from h3_multigpu.decode import executor as executor_mod
     from h3_multigpu.decode.apply import MultiGPUDecodeConfig, apply_multi_gpu_decode, find_patch
-
-    import comfy.ldm.minimax.vae as h3_vae
-    import comfy.ops
-    import comfy.sd
-    import comfy.utils
 
     ns = types.SimpleNamespace(sd=comfy.sd, h3_vae=h3_vae, ops=comfy.ops, mm=mm,
                                utils=comfy.utils)
@@ -294,3 +293,103 @@ def test_cancel_seen_by_a_decode_helper_thread_stops_the_decode(monkeypatch):
     assert _same_bits(out, expected)
     assert not find_patch(patched).last_report.failed
 
+
+
+# ------------------------------------------------------------------------------ pinned budget
+@pytest.fixture
+def comfy_pins(monkeypatch):
+    """ComfyUI pinning on, with CUDA's registration calls recorded (ComfyUI's own pin_memory /
+    unpin_memory and their bookkeeping run), and the exchange's relay slots page-locked as on
+    a GPU."""
+    import comfy.model_management as mm
+
+    from h3_multigpu.exchange import pinned
+
+    registered: dict[int, int] = {}
+
+    class CudaRuntime:
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            assert ptr not in registered
+            registered[ptr] = size
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(ptr):
+            registered.pop(ptr)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: CudaRuntime)
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
+    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
+    monkeypatch.setattr(pinned, "should_pin", lambda *devices: True)
+    return registered
+
+
+def test_dual_sage_relay_slots_are_booked_in_comfyuis_pin_budget(comfy_pins, monkeypatch):
+    import comfy.model_management as mm
+
+    from h3_multigpu.dual_sage import DualSageConfig
+
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 30)
+    patcher = make_tiny_h3(CONFIG, seed=0)
+    inputs = make_inputs(CONFIG, latent_thw=SHORT, audio_t=5)
+    reference = run_like_sampler(patcher, inputs, sigmas=SIGMAS)
+    packed = apply_feature(patcher, "dual_sage", DualSageConfig(
+        helpers=("cpu", "cpu"), min_tokens=0, transport="host"))
+    seen = []
+    module = patcher.model.diffusion_model.blocks[1]
+    handle = module.register_forward_pre_hook(
+        lambda m, a: seen.append((pack_memory(), mm.TOTAL_PINNED_MEMORY, dict(comfy_pins))))
+    try:
+        out = run_like_sampler(packed, inputs, sigmas=SIGMAS)
+    finally:
+        handle.remove()
+    assert same(out, reference)
+    held, total, registered = seen[-1]
+    # two helpers x (2 upload + 2 download slots), all booked through ComfyUI's pin_memory
+    assert held.workspaces == 2 and held.booked_bytes == held.pinned_bytes == total > 0
+    assert sum(registered.values()) == total and len(registered) == 8
+    # ComfyUI's cleanup after the run gave every byte back
+    assert mm.TOTAL_PINNED_MEMORY == 0 and not comfy_pins and not mm.PINNED_MEMORY
+
+
+def test_relay_slots_past_comfyuis_budget_stay_pageable_and_exact(comfy_pins, monkeypatch):
+    import comfy.model_management as mm
+
+    from h3_multigpu.dual_sage import DualSageConfig
+
+    other = 5 << 20  # pinned by ComfyUI itself; 4 KiB left: no relay slot fits
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", other)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", other + 4096)
+    patcher = make_tiny_h3(CONFIG, seed=0)
+    inputs = make_inputs(CONFIG, latent_thw=SHORT, audio_t=5)
+    reference = run_like_sampler(patcher, inputs, sigmas=SIGMAS)
+    packed = apply_feature(patcher, "dual_sage", DualSageConfig(
+        helpers=("cpu", "cpu"), min_tokens=0, transport="host"))
+    out = run_like_sampler(packed, inputs, sigmas=SIGMAS)
+    assert same(out, reference)
+    assert mm.TOTAL_PINNED_MEMORY == other and not comfy_pins  # nothing past the budget
+    shard = packed.model_options["transformer_options"]["optimized_attention_override"].sharded
+    assert shard.routes["split"] > 0 and "fallback" not in shard.routes
+
+
+def test_sequence_link_relay_slots_are_booked_and_given_back(comfy_pins, monkeypatch):
+    import comfy.model_management as mm
+
+    from h3_multigpu.exchange.links import Link
+    from h3_multigpu.exchange.transport import TransportMode
+
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 30)
+    cpu = torch.device("cpu")
+    link = Link(cpu, cpu, TransportMode.HOST)
+    link.reserve(10_000)
+    first = mm.TOTAL_PINNED_MEMORY
+    assert first >= 2 * 10_000 and len(comfy_pins) == 2
+    src = torch.arange(6000, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    link.copy(dst, src)  # 24,000 bytes: the slots grow once, the old ones are given back
+    assert torch.equal(dst, src)
+    assert len(comfy_pins) == 2 and mm.TOTAL_PINNED_MEMORY >= 2 * 24_000 > first
+    link.close()
+    assert mm.TOTAL_PINNED_MEMORY == 0 and not comfy_pins
