@@ -26,7 +26,7 @@ The rule, in one place (chunking, the planner's predictions and `sequence/` all 
   lists it (tests install one). Measured there (x86-64, torch 2.13, 1/2/4 threads, the tiny
   shapes): bf16 row slices always bit-identical, fp32 ones with 2 threads only from 12 rows.
 A phase without a floor is not chunked unless memory requires it, and then the status says it
-may differ (`chunking.block`); a sequence share without one makes the mode fall back.
+may differ (`chunking.wrappers`); a sequence share without one makes the mode fall back.
 
 All of the above is for plain weights. The floors are per weight format (`h3_ops.weight_format`
 reads it off each linear's weight; `FORMAT_RULES` here):

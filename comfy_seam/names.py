@@ -36,6 +36,7 @@ STATUS_KEY = "h3_multigpu"  # transformer_options key: {feature: status line}
 SEAM_KEY = "h3_multigpu.seam"  # transformer_options key: what the seam installed (a tuple)
 PARALLEL_KEY = "h3_multigpu_parallel"  # per-forward mode the sequence mode writes, Dual-Sage reads
 GUARD_KEY = "h3_multigpu.device_guard"
+OOM_GUARD_KEY = "h3_multigpu.oom_guard"
 PREFETCH_KEY = "h3_multigpu.prefetch"
 DUAL_SAGE_KEY = "h3_multigpu_dual_sage"
 SEQUENCE_KEY = "h3_multigpu.sequence"

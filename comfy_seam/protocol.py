@@ -27,8 +27,8 @@ from typing import Any
 from . import names
 
 # Outermost first. A feature not named here is refused (a typo would silently reorder).
-ORDER = ("guard", "prefetch", "sequence", "dual_sage", "chunking", "attention", "decode")
-KEYS = {"guard": names.GUARD_KEY, "prefetch": names.PREFETCH_KEY,
+ORDER = ("guard", "oom", "prefetch", "sequence", "dual_sage", "chunking", "attention", "decode")
+KEYS = {"guard": names.GUARD_KEY, "oom": names.OOM_GUARD_KEY, "prefetch": names.PREFETCH_KEY,
         "sequence": names.SEQUENCE_KEY, "dual_sage": names.DUAL_SAGE_KEY,
         "chunking": names.CHUNKING_KEY, "attention": names.ATTENTION_KEY,
         "decode": names.DECODE_KEY}

@@ -16,6 +16,8 @@ outermost in its ORDER):
   lists, so every other wrapper runs inside them; installing twice is a no-op.
 - text encoder: an object patch on the CLIP patcher's `encode_token_weights`.
 - VAE: object patches on the first stage model's `encode` and `decode`.
+- out of memory: an OUTER_SAMPLE wrapper right inside the device guard (`guard.oom`) frees the
+  pack's buffers and explains the error (installed with the guard, once).
 Object patches wrap whatever the patcher already resolves (another pack's patch included).
 
 `device_context(device)` is the one place that makes a device current (tests replace it).
@@ -94,12 +96,19 @@ def guard_diffusion_model(patcher: Any) -> Any:
     """Install the DiT device guard on `patcher` (in place; pass a clone) and return it.
 
     Idempotent: a patcher that already has it (a feature installed it before) is unchanged.
-    The seam orders it outermost, so it encloses every other wrapper.
+    The seam orders it outermost, so it encloses every other wrapper; the out-of-memory guard
+    (`guard.oom`) comes right inside it on OUTER_SAMPLE.
     """
-    if has_device_guard(patcher):
-        return patcher
-    return protocol.install(patcher, "guard", *(protocol.wrapper(kind, fn)
-                                                for kind, fn in _WRAPPERS.items()))
+    from .oom import outer_sample_oom_guard
+
+    if not has_device_guard(patcher):
+        protocol.install(patcher, "guard", *(protocol.wrapper(kind, fn)
+                                             for kind, fn in _WRAPPERS.items()))
+    if not protocol.wrappers_of(patcher, names.OUTER_SAMPLE, "oom"):
+        # inside the device guard, outside every feature's wrapper (the seam's ORDER)
+        protocol.install(patcher, "oom", protocol.wrapper(names.OUTER_SAMPLE,
+                                                          outer_sample_oom_guard))
+    return patcher
 
 
 class DeviceGuardedMethod:

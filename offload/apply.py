@@ -44,6 +44,7 @@ from ..comfy_seam.memory import (
     is_dynamic,
     pin_budget_bytes,
 )
+from ..guard.interrupt import check_interrupt
 from . import policy, sizing
 from .engine import root_device
 from .streamer import BlockStreamer, Source
@@ -275,6 +276,9 @@ class BlockPrefetch:
         if block_id not in self.streamed_ids:
             return call()
         assert self.streamer is not None
+        # a cancel lands here, before the next block's weights are copied in, rather than in
+        # the block's first layer after the copy
+        check_interrupt()
         self.streamer.begin(block_id)
         try:
             return call()

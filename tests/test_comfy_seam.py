@@ -248,4 +248,4 @@ def test_features_describe_what_they_installed_and_remove_cleanly(twin):
                            "chunking")
     assert protocol.override_of(bare) is None and not protocol.block_patches(bare)
     assert not bare.object_patches
-    assert [e.feature for e in protocol.installed(bare)] == ["guard"]
+    assert [e.feature for e in protocol.installed(bare)] == ["guard", "oom"]
