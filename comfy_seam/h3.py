@@ -142,7 +142,7 @@ def forward_options(args: tuple, kwargs: dict) -> dict | None:
     return options if isinstance(options, dict) else None
 
 
-def diffusion_model_of(executor: Any) -> Any:
-    """The model a DIFFUSION_MODEL wrapper runs. ComfyUI internal: `WrapperExecutor.class_obj`
-    (the H3 model's `new_class_executor(self._forward, self, ...)`; the twin's chain too)."""
-    return getattr(executor, "class_obj", None)
+def sampled_patcher(executor: Any) -> Any:
+    """The ModelPatcher an OUTER_SAMPLE wrapper samples with, or None. ComfyUI internal:
+    `WrapperExecutor.class_obj` is the CFGGuider, whose `model_patcher` is the model."""
+    return getattr(getattr(executor, "class_obj", None), "model_patcher", None)

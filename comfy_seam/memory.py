@@ -106,15 +106,6 @@ def is_dynamic(patcher: Any) -> bool:
     return bool(check()) if callable(check) else False
 
 
-def loader_mode(patcher: Any = None) -> str:
-    """"dynamic" when ComfyUI's DynamicVRAM loads `patcher` (or, without one, would load
-    models: `aimdo_enabled`), else "legacy" (ROCm below 7.14, the flags that switch it off,
-    older ComfyUI, outside ComfyUI)."""
-    if patcher is not None:
-        return "dynamic" if is_dynamic(patcher) else "legacy"
-    return "dynamic" if dynamic_vram_enabled() else "legacy"
-
-
 def comfy_block_prefetch() -> str:
     """What ComfyUI's own DynamicVRAM block prefetch does in this process (0.33.0 and newest:
     `comfy.model_prefetch.make_prefetch_queue` stages the next DiT block while one runs, only

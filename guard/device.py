@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..comfy_seam import names, protocol
+from ..comfy_seam.h3 import sampled_patcher
 
 TEXT_ENCODER_METHODS = ("encode_token_weights",)
 VAE_METHODS = ("encode", "decode")
@@ -68,7 +69,7 @@ def input_device(args: tuple, kwargs: dict) -> Any | None:
 
 def outer_sample_guard(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper: the sampled patcher's load device is current for the whole run."""
-    device = getattr(getattr(executor.class_obj, "model_patcher", None), "load_device", None)
+    device = getattr(sampled_patcher(executor), "load_device", None)
     if device is None:
         return executor(*args, **kwargs)
     with device_context(device):

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..comfy_seam import protocol
+from ..comfy_seam.h3 import sampled_patcher
 from ..comfy_seam.names import OOM_GUARD_KEY  # noqa: F401  (tests read it from here)
 
 log = logging.getLogger("h3_multigpu")
@@ -215,7 +216,7 @@ def _features(patcher: Any) -> tuple[str, ...]:
 def outer_sample_oom_guard(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper: an out-of-memory error ends the run with the pack's buffers freed
     and `PackOutOfMemoryError` naming what ran out and what to change."""
-    patcher = getattr(executor.class_obj, "model_patcher", None)
+    patcher = sampled_patcher(executor)
     ctx = RunContext(device=str(getattr(patcher, "load_device", "?")),
                      features=_features(patcher))
     ctx.latent_thw, ctx.audio_t = _latent_shape(args, kwargs)
