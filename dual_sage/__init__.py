@@ -14,6 +14,7 @@ _LAZY = {
     "ShardingFunction": "apply",
     "ExactRange": "exactness",
     "apply_dual_sage": "apply",
+    "get_sharded_attention": "apply",
     "status_text": "apply",
     "ShardPlan": "shard_plan",
     "parse_devices": "shard_plan",

@@ -315,6 +315,17 @@ def _root_current_wrapper(root: torch.device):
     return wrapper
 
 
+def get_sharded_attention(model_patcher: Any) -> ShardedAttention | None:
+    """Dual-Sage's sharded attention on a patcher, wherever its override sits in the chain of
+    attention overrides (chunking's head groups, the SageAttention node may wrap it)."""
+    override, seen = protocol.override_of(model_patcher), 0
+    while override is not None and seen < 16:
+        if isinstance(override, DualSageOverride):
+            return override.sharded
+        override, seen = getattr(override, "previous", None), seen + 1
+    return None
+
+
 def _block_recorders(diffusion_model: Any) -> list[protocol.Hook]:
     """One `RecordAttentionModule` block patch per DiT block, chaining the one there."""
     hooks = []

@@ -23,6 +23,7 @@ import pytest
 import torch
 from comfyui_h3 import TinyH3Config, make_inputs, make_tiny_h3, run_like_sampler, unload_all
 
+from h3_multigpu.dual_sage import get_sharded_attention
 from h3_multigpu.guard.oom import PackOutOfMemoryError, pack_memory
 from h3_multigpu.nodes.features import CONFIGS, apply_feature
 from h3_multigpu.offload import get_block_prefetch
@@ -159,7 +160,7 @@ def test_oom_mid_step_frees_the_pack_and_the_next_shorter_run_is_exact(chunking)
     # the next, shorter run in the same process succeeds and is exact
     out = run_like_sampler(packed, short_inputs, sigmas=SIGMAS)
     assert same(out, reference)
-    shard = packed.model_options["transformer_options"]["optimized_attention_override"].sharded
+    shard = get_sharded_attention(packed)
     assert shard.routes["split"] > 0  # Dual-Sage really ran (and its helpers did not fall back)
     assert "fallback" not in shard.routes
     assert get_block_prefetch(packed).streamer.stats()["copies"] > 0
@@ -370,7 +371,7 @@ def test_relay_slots_past_comfyuis_budget_stay_pageable_and_exact(comfy_pins, mo
     out = run_like_sampler(packed, inputs, sigmas=SIGMAS)
     assert same(out, reference)
     assert mm.TOTAL_PINNED_MEMORY == other and not comfy_pins  # nothing past the budget
-    shard = packed.model_options["transformer_options"]["optimized_attention_override"].sharded
+    shard = get_sharded_attention(packed)
     assert shard.routes["split"] > 0 and "fallback" not in shard.routes
 
 
