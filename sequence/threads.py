@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import queue
 import threading
 import time
@@ -147,10 +148,13 @@ class ShareWorker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any], state: TorchState, device: torch.device) -> None:
+    def submit(self, fn: Callable[[], Any], state: TorchState, device: torch.device,
+               on_error: Callable[[BaseException], None]) -> None:
+        """Run `fn` on this thread; `on_error` is called there the moment it raises (so the
+        other shares are released before the root collects the results)."""
         assert not self.busy, "one call at a time per share"
         self.busy = True
-        self._jobs.put((fn, state, device))
+        self._jobs.put((fn, state, device, on_error))
 
     def result(self, timeout_s: float) -> tuple[Any, BaseException | None]:
         """(value, error) of the submitted call; TimeoutError when it did not finish."""
@@ -167,12 +171,13 @@ class ShareWorker:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, state, device = job
+            fn, state, device, on_error = job
             try:
                 with state.entered(device):
                     value = state.context.run(fn)
                 self._done.put((value, None))
             except BaseException as exc:  # handed to the root, which re-raises the first
+                on_error(exc)
                 self._done.put((None, exc))
             self.calls += 1
 
@@ -194,7 +199,9 @@ def run_shares(workers: Sequence[ShareWorker | None], jobs: Sequence[Callable[[]
     for k in range(1, len(jobs)):
         worker = workers[k]
         assert worker is not None
-        worker.submit(jobs[k], state, devices[k])
+        # one Context can be entered by one thread at a time: a copy per share
+        worker.submit(jobs[k], dataclasses.replace(state, context=contextvars.copy_context()),
+                      devices[k], exchange.abort)
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException] = []
     try:
