@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -280,8 +282,7 @@ class ModuleCopy:
     changing an object the root holds. Bound objects are kept per buffer and reused."""
 
     def __init__(self, block: torch.nn.Module):
-        memo = {id(t): t for t in (*block.parameters(), *block.buffers())}
-        self.module = copy.deepcopy(block, memo)
+        self.module = copy.deepcopy(block, _shared_memo(block))
         self.weights = BlockWeights("copy", self.module)
         self.originals = [ref.current() for ref in self.weights.refs]
         self._bound: dict[int, list[torch.Tensor]] = {}
@@ -306,3 +307,32 @@ class ModuleCopy:
             table = ref.owner._buffers if ref.is_buffer else ref.owner._parameters
             table[ref.name] = obj
         self._current = key
+
+
+_SHARED = (torch.Tensor, types.ModuleType, type(threading.Lock()), type(threading.RLock()))
+
+
+def _shared_memo(root: Any, limit: int = 100_000) -> dict[int, Any]:
+    """A deepcopy memo that shares, instead of copying, every tensor (the copy's tables are
+    rebound, see `bind`) and every Python module or lock reachable from `root` (an installed
+    forward may hold them; they cannot be copied)."""
+    memo: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack and len(seen) < limit:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, _SHARED):
+            memo[id(obj)] = obj
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.FunctionType)):
+            stack.extend(vars(obj).values())
+    return memo
