@@ -330,6 +330,7 @@ class ShareAttention:
 
         # 2. gathers: this share's rows of every chunk; pieces leave as soon as gathered
         qkv = (q_BHsD[0].transpose(0, 1), k_BHsD[0].transpose(0, 1), v_BHsD[0].transpose(0, 1))
+        sent = []
         for j, c in order:
             h0, h1 = chunks[j][c]
             if j == me:
@@ -345,9 +346,11 @@ class ShareAttention:
             arrived = runner._send(me, j, dest_j[c][share.start:share.stop], piece, gathered,
                                    ready_j)
             ex.post(("qkv", j, c, me), arrived)
-            # the link keeps the piece until sent (`keep_until_used`); holding it here would
-            # keep every piece alive through attention
-            piece = None
+            sent.append(piece)
+        # the links keep the pieces until sent (`keep_until_used`: on a GPU their memory is
+        # not reused before the copies ran, so all of them count); held past attention they
+        # would stay through the MLP
+        sent = piece = None
         del qkv, q_BHsD, k_BHsD, v_BHsD
 
         # 3. attention, chunk by chunk; other shares' rows go back while the next one runs
