@@ -19,6 +19,7 @@ import weakref
 
 import pytest
 import torch
+from test_sequence import block_calls
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -31,7 +32,6 @@ from h3_multigpu.sequence.weights import REPLICA, HelperWeights
 from h3_multigpu.twin import TwinConfig
 from h3_multigpu.twin import model as twin_model
 from h3_multigpu.twin.rope import rope_rotation_table
-from test_sequence import block_calls
 
 # wide rows next to few heads, so the per-row terms the model counts dominate the small tensors
 # it leaves out (t_emb, modulation, RoPE rows: < 2% here, as at full size)
