@@ -20,11 +20,16 @@ this was written, so each use is feature-detected and degrades as stated:
   `prepare_sampling` loads them (`get_nested_additional_models` -> `load_models_gpu`: LoRA
   patching, lowvram, DynamicVRAM VBARs) and `cleanup_models` cleans them up. The key is ours,
   not "multigpu": that one also switches on ComfyUI's CFG split (`is_multigpu_base_clone`).
+- `ModelPatcher.injections` / `PatcherInjection.inject`: the on-activation ("bypass") LoRA's
+  injection is bound to the root's modules; it is rebuilt for the clone through the
+  `BypassInjectionManager` in its closure (`_rebind_injections`), else left off and named.
 - `ModelPatcher.object_patches`: a helper clone would apply the root's object patches to its
   own modules; one holding the root's module (the pack's chunked block forward) is rebound
   through its `h3_multigpu_rebind(module)` when it has one, else left off (`match_clone`).
-- `comfy.model_management.unload_model_and_clones(patcher)`: frees a helper clone's device copy
-  after sampling (`keep_weights` off).
+- `comfy.model_management.current_loaded_models` and `free_memory(bytes, device, keep_loaded=)`:
+  frees a helper clone's device copy after sampling (`keep_weights` off), keeping every other
+  model (`unload_model_and_clones` would also unload the root: the clones share its
+  `clone_base_uuid`).
 - `comfy.model_management.processing_interrupted()` / `throw_exception_if_processing_interrupted()`
   (raises `InterruptProcessingException`, a BaseException): the shares' rendezvous honours
   ComfyUI's interrupt.
@@ -37,7 +42,7 @@ this was written, so each use is feature-detected and degrades as stated:
 
 from __future__ import annotations
 
-import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -97,7 +102,7 @@ def match_clone(root: Any, base: Any) -> tuple[Any, list[str]]:
     clone.hook_backup = base.hook_backup
     clone.remove_additional_models(CLONES_KEY)
     clone.remove_additional_models("multigpu")
-    left_off = []
+    left_off = _rebind_injections(clone, base)
     for key, value in list(clone.object_patches.items()):
         if not key.startswith("diffusion_model.blocks."):
             continue
@@ -109,6 +114,58 @@ def match_clone(root: Any, base: Any) -> tuple[Any, list[str]]:
             del clone.object_patches[key]
             left_off.append(key)
     return clone, left_off
+
+
+def _rebind_injections(clone: Any, base: Any) -> list[str]:
+    """The root's injections rebuilt for the clone's own modules; returns those left off.
+
+    ComfyUI builds an injection for one model: its on-activation ("bypass") LoRA's
+    `BypassInjectionManager.create_injections(model)` binds hooks to that model's modules
+    (comfy/weight_adapter/bypass.py, 0.33.0), and its `inject` moves the adapters' weights to
+    `get_torch_device()`, the current device. Copied as is, the clone would inject the root's
+    modules again. A manager found in the injection's closure is copied (its adapters too,
+    so each device holds its own weights), asked for the clone's injections, and those run
+    with the clone's device current. Any other injection is left off (and named)."""
+    left_off = []
+    for key, injections in list(clone.injections.items()):
+        rebuilt = []
+        for injection in injections:
+            manager = _closure_object(getattr(injection, "inject", None), "create_injections")
+            if manager is None:
+                left_off.append(f"injection {key}")
+                continue
+            mine = copy.copy(manager)
+            mine.hooks = []
+            mine.adapters = {k: (copy.copy(adapter), strength)
+                             for k, (adapter, strength) in manager.adapters.items()}
+            for new in mine.create_injections(base.model):
+                rebuilt.append(_on_device(new, base.load_device))
+        clone.injections[key] = rebuilt
+    return left_off
+
+
+def _closure_object(fn: Any, method: str) -> Any:
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(getattr(value, method, None)) and hasattr(value, "adapters"):
+            return value
+    return None
+
+
+def _on_device(injection: Any, device: torch.device) -> Any:
+    from ..guard.device import device_context
+
+    inject, eject = injection.inject, injection.eject
+
+    def inject_here(patcher: Any) -> Any:
+        with device_context(device):
+            return inject(patcher)
+
+    injection.inject, injection.eject = inject_here, eject
+    return injection
 
 
 def _owner(model: torch.nn.Module, key: str) -> Any:
@@ -138,12 +195,16 @@ def cleanup(clone: Any) -> None:
 
 
 def unload(clone: Any) -> None:
-    """ComfyUI unloads this clone's model from its device (weights unpatched)."""
+    """ComfyUI unloads this clone's model from its device (weights unpatched), and nothing else
+    (`free_memory` on that device, every other loaded model kept)."""
     mm = _model_management()
-    unload_fn = getattr(mm, "unload_model_and_clones", None)
-    if unload_fn is not None:
-        with contextlib.suppress(Exception):  # advisory: ComfyUI frees on demand anyway
-            unload_fn(clone)
+    loaded = getattr(mm, "current_loaded_models", None)
+    free_memory = getattr(mm, "free_memory", None)
+    if loaded is None or free_memory is None:
+        return
+    keep = [m for m in loaded if m.model is not clone]
+    if len(keep) != len(loaded):
+        free_memory(1e30, clone.load_device, keep_loaded=keep)
 
 
 def diffusion_model(clone: Any) -> torch.nn.Module:
