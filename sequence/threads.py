@@ -217,7 +217,15 @@ def run_shares(workers: Sequence[ShareWorker | None], jobs: Sequence[Callable[[]
             exchange.abort(error)
             errors.append(error)
         results[k] = value
-    if errors:
-        first = exchange.error or errors[0]
+    if not errors:
+        return results
+    first = exchange.error or errors[0]
+    # every share has returned: nothing waits on the exchange any more. Its reference to the
+    # error, and this frame's, would make a cycle through the traceback that keeps the
+    # block's tensors alive until a garbage collection
+    exchange.error = None
+    del errors, results, jobs, exchange, state, worker, value, error
+    try:
         raise first
-    return results
+    finally:
+        del first
