@@ -1,4 +1,8 @@
-"""One DiT block on every GPU, each on its share of the token rows; heads exchanged for attention.
+"""The sequence runner before it ran upstream's block per share (bench_sequence_block.py only).
+
+It re-states the block and is not product code; kept to time today's runner against it.
+
+One DiT block on every GPU, each on its share of the token rows; heads exchanged for attention.
 
 Per block, queued by the one host thread in an order where every event is recorded before any
 stream waits on it (a wait on a never-recorded CUDA event would be a no-op):
@@ -48,8 +52,8 @@ from ..exchange.links import Link, keep_until_used
 from ..exchange.streams import current_stream, record, wait
 from ..exchange.transport import TransportMode
 from ..guard.device import device_context
-from .split import SequenceSplit
-from .weights import HelperWeights
+from ..sequence.split import SequenceSplit
+from ..sequence.weights import HelperWeights
 
 Segments = list[tuple[int, int, Any]]
 
