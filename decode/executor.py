@@ -23,7 +23,9 @@ multi-GPU thread pool runs the devices other than the main one); two ranges on o
 plumbing test on one card) take turns, as ComfyUI's per-device offload streams and cast buffers
 are not made for two threads at once. Between its windows the calling thread counts finished
 windows for the progress bar and checks ComfyUI's interrupt; when a helper fails it lets the
-others finish, then decodes the helper's range on the root, with one warning.
+others finish, then decodes the helper's range on the root, with one warning. A helper whose
+own layers saw ComfyUI's cancel first (ComfyUI clears the flag as it raises) hands the cancel
+back: every range stops after its current window and the calling thread raises it.
 
 Legend: B batch, C=3 channels, F frames, H x W pixels; z_BCTHW is the latent.
 """
@@ -44,6 +46,7 @@ from torch import nn
 
 from ..exchange.streams import current_stream, new_stream, on_streams, record, wait
 from ..guard.device import device_context
+from ..guard.interrupt import is_interrupt
 from .replica import drop_restored_methods, make_replica
 from .windows import WindowLayout
 
@@ -308,7 +311,9 @@ class SplitDecode:
         except _Stopped:
             pass
         except BaseException as exc:
-            events.put(("failed", k, exc))
+            # a helper's comfy op may be the one that sees (and clears) ComfyUI's cancel: it
+            # goes back to the calling thread as the cancel, never as a helper failure
+            events.put(("interrupt" if is_interrupt(exc) else "failed", k, exc))
         finally:
             events.put(("exit", k, None))
 
@@ -325,6 +330,10 @@ class SplitDecode:
             self._count(payload)
         elif kind == "done":
             self._parts[k] = payload
+        elif kind == "interrupt":
+            if self._interrupt is None:
+                self._interrupt = payload
+            self.stop.set()  # every range stops after its current window
         elif kind == "failed":
             self._failed.append(k)
             device, root = self.shares[k].device, self.shares[0].device
@@ -365,6 +374,8 @@ class SplitDecode:
         self._count(window)
         self._alive -= self._poll(None)
         self._check_interrupt()
+        if self._interrupt is not None:  # a helper saw the cancel first
+            raise self._interrupt
 
     # --- the whole decode -------------------------------------------------------------------
 

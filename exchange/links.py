@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pinned
 from .streams import Event, Stream, new_stream, on_streams, record, wait
 from .transport import TransportMode, resolve
 
@@ -41,6 +42,7 @@ class Link:
         self.send: Stream = _stream_on(src)
         self.recv: Stream = _stream_on(dst)
         self._pinned: list[torch.Tensor] = []
+        self._host: list = []  # owners of the pinned slots (exchange.pinned)
         self._pinned_free: list[Event] = []
         self._next_slot = 0
         self.copies = 0
@@ -53,17 +55,22 @@ class Link:
     def reserve(self, nbytes: int) -> None:
         """Size the host relay's pinned slots for pieces up to `nbytes` (setup, not per copy).
 
-        Growing drops the old slots: torch's pinned allocator keeps their memory until the
-        copies recorded on them completed, so nothing in flight is overwritten.
+        Growing waits for the copies through the old slots, then frees them.
         """
         if self.mode is not TransportMode.HOST:
             return
         if self._pinned and self._pinned[0].numel() >= nbytes:
             return
-        pin = self.src.type == "cuda" or self.dst.type == "cuda"
-        with torch.inference_mode(False):  # reused in place by runs under either mode
-            self._pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-                            for _ in range(RELAY_SLOTS)]
+        # registered memory no allocator tracks: the last copies through the old slots must
+        # be done before they are unpinned; booked in ComfyUI's pin budget (exchange.pinned)
+        pinned.drain(self._pinned_free)
+        pinned.free(self._host)
+        pin = pinned.should_pin(self.src, self.dst)
+        self._pinned = []
+        for _ in range(RELAY_SLOTS):
+            flat, owner = pinned.host_slot(nbytes, torch.uint8, pin)
+            self._pinned.append(flat)
+            self._host.append(owner)
         self._pinned_free = [None] * RELAY_SLOTS
         self._next_slot = 0
 
@@ -124,6 +131,7 @@ class Link:
                 # pinned slots and the tensors callers handed in may be freed after this
                 stream.synchronize()
         self._pinned, self._pinned_free = [], []
+        pinned.free(self._host)
 
 
 def _stream_on(device: torch.device) -> Stream:

@@ -3,8 +3,8 @@
 Root side: `send` holds the helper's q|k|v chunk by chunk, each chunk one contiguous
 `[3, g, S, D]` block, and `recv` the helper's output `[h, S, D]`. Helper side: a ring of
 chunk slots `[3, g, S, D]` (the chunk's output overwrites its q). Host relay only: two pinned
-upload and two pinned download slots. Memory is bounded by the ring, not by the helper's head
-count.
+upload and two pinned download slots (booked in ComfyUI's pin budget: `pinned`). Memory is
+bounded by the ring, not by the helper's head count.
 
 Each call views the buffers with its own `WorkspaceKey`: a call that fits the capacity (the
 fewer heads of the last head group of activation chunking, a shorter sequence) reuses them, so
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import pinned
 from .streams import Event, Lane, fresh
 
 HOST_RELAY_SLOTS = 2
@@ -60,6 +61,7 @@ class Workspace:
     slot_free: list[Event] = field(default_factory=list)
     pinned_in_free: list[Event] = field(default_factory=list)
     pinned_out_free: list[Event] = field(default_factory=list)
+    host_buffers: list = field(default_factory=list)  # owners of the pinned slots
 
     @property
     def ring_slots(self) -> int:
@@ -121,12 +123,13 @@ class Workspace:
         recv = fresh(torch.empty(send_elems // 3, dtype=key.dtype, device=lane.root))
         ws = cls(key=key, send=send, recv_flat=recv, ring=ring, slot_free=[None] * slots)
         if key.host_relay:
-            pin = torch.cuda.is_available() and lane.root.type == "cuda"
-            ws.pinned_in = [fresh(torch.empty(chunk_elems, dtype=key.dtype, pin_memory=pin))
-                            for _ in range(HOST_RELAY_SLOTS)]
-            ws.pinned_out = [fresh(torch.empty(chunk_elems // 3, dtype=key.dtype,
-                                               pin_memory=pin))
-                             for _ in range(HOST_RELAY_SLOTS)]
+            # booked in ComfyUI's pin budget (exchange.pinned), unlike torch's pin_memory=True
+            pin = pinned.should_pin(lane.root, lane.helper)
+            for size, slots in ((chunk_elems, ws.pinned_in), (chunk_elems // 3, ws.pinned_out)):
+                for _ in range(HOST_RELAY_SLOTS):
+                    flat, owner = pinned.host_slot(size, key.dtype, pin)
+                    slots.append(fresh(flat))
+                    ws.host_buffers.append(owner)
             ws.pinned_in_free = [None] * HOST_RELAY_SLOTS
             ws.pinned_out_free = [None] * HOST_RELAY_SLOTS
         return ws
@@ -140,8 +143,9 @@ class Workspace:
 
         They were allocated on the devices' current streams but are used on the lane's side
         streams; without record_stream the allocator could give them to a new tensor while a
-        queued copy or attention of an earlier call still reads or writes them. (Pinned host
-        slots need nothing: PyTorch's pinned allocator records every non-blocking copy's event.)
+        queued copy or attention of an earlier call still reads or writes them. The pinned host
+        slots are registered memory no allocator tracks: the host waits for the last copy
+        through each of them, then unpins and frees them (ComfyUI's budget gets them back).
         """
         for tensor in (self.send, self.recv_flat):
             for stream in lane.root_streams:
@@ -152,5 +156,7 @@ class Workspace:
                 if isinstance(stream, torch.cuda.Stream):
                     tensor.record_stream(stream)
         self.ring.clear()
+        pinned.drain([*self.pinned_in_free, *self.pinned_out_free])
         self.pinned_in.clear()
         self.pinned_out.clear()
+        pinned.free(self.host_buffers)

@@ -15,6 +15,8 @@ Seams, all public ComfyUI hooks:
   lists, so every other wrapper runs inside them; installing twice is a no-op.
 - text encoder: an object patch on the CLIP patcher's `encode_token_weights`.
 - VAE: object patches on the first stage model's `encode` and `decode`.
+- out of memory: an OUTER_SAMPLE wrapper right inside the device guard (`guard.oom`) frees the
+  pack's buffers and explains the error (installed with the guard, once).
 Object patches wrap whatever the patcher already resolves (another pack's patch included).
 
 `device_context(device)` is the one place that makes a device current (tests replace it).
@@ -107,11 +109,16 @@ def guard_diffusion_model(patcher: Any) -> Any:
     Idempotent: a patcher that already has it (a feature installed it before) is unchanged.
     The guard is moved to the front of each wrapper list so it encloses every other wrapper.
     """
+    from .oom import OOM_GUARD_KEY, outer_sample_oom_guard
+
     table = _wrapper_table(patcher)
     for kind, fn in _WRAPPERS.items():
         by_key = table.get(kind, {})
         mine = by_key.get(GUARD_KEY) or [fn]
-        table[kind] = {GUARD_KEY: mine, **{k: v for k, v in by_key.items() if k != GUARD_KEY}}
+        front = {GUARD_KEY: mine}
+        if kind == OUTER_SAMPLE:  # inside the device guard, outside every feature's wrapper
+            front[OOM_GUARD_KEY] = by_key.get(OOM_GUARD_KEY) or [outer_sample_oom_guard]
+        table[kind] = {**front, **{k: v for k, v in by_key.items() if k not in front}}
     return patcher
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..guard.interrupt import check_interrupt
 from . import policy, sizing
 from .comfy_memory import (
     comfy_pin_budget,
@@ -278,6 +279,9 @@ class BlockPrefetch:
         if block_id not in self.streamed_ids:
             return call()
         assert self.streamer is not None
+        # a cancel lands here, before the next block's weights are copied in, rather than in
+        # the block's first layer after the copy
+        check_interrupt()
         self.streamer.begin(block_id)
         try:
             return call()

@@ -97,6 +97,7 @@ class HardwareProfile:
     notes: tuple[str, ...] = field(default=())
     rocm_version: tuple[int, int] | None = None  # (major, minor) of a ROCm build of torch
     torch_version: tuple[int, int] | None = None  # None: assumed new enough (>= 2.8)
+    host_ram_source: str = "the profile's RAM"  # where host_ram_bytes comes from, in words
 
     @property
     def gpu_count(self) -> int:
@@ -248,11 +249,12 @@ def detect_hardware(measure_link: bool = False) -> HardwareProfile:
                         "peer_gbs", "host_pinned_gbs", "host_pageable_gbs")})
     if measure_link:
         link = _measure_link(torch, link, len(gpus))
-    host_ram = _host_ram_bytes()
+    host_ram, ram_source = _host_ram()
     return HardwareProfile("auto", f"this machine: {len(gpus)} GPU(s)", tuple(gpus), link,
                            host_ram, measured=measure_link, rocm_version=_version(
                                getattr(torch.version, "hip", None)),
-                           torch_version=_version(torch.__version__))
+                           torch_version=_version(torch.__version__),
+                           host_ram_source=ram_source)
 
 
 def _version(text: str | None) -> tuple[int, int] | None:
@@ -266,13 +268,18 @@ def _version(text: str | None) -> tuple[int, int] | None:
         return None
 
 
-def _host_ram_bytes() -> int:
-    try:
-        import os
+def _host_ram() -> tuple[int, str]:
+    """This host's memory, capped by its cgroup limit (planner.host), and where it comes from."""
+    from .host import host_memory_limit
 
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # Windows has no sysconf
-        return 32 * GiB
+    limit, source = host_memory_limit()
+    if limit is None:
+        return 32 * GiB, "unknown: 32 GiB assumed"
+    return limit, source
+
+
+def _host_ram_bytes() -> int:
+    return _host_ram()[0]
 
 
 def _measure_link(torch, link: LinkSpec, gpu_count: int) -> LinkSpec:

@@ -12,7 +12,8 @@ read. It runs typed stages in this order, each a dataclass handed to the next:
    loader that runs: ComfyUI's DynamicVRAM or the pack's streamer on the legacy loader), every
    GPU's phases and the video decode (`DecodePlan`);
 5. time (`JobTime`): every step of both passes with that residency, the upscale and the decode;
-6. verdict (`Verdict`): fits or not, tight phases, and what to change to fit or to go faster.
+6. verdict (`Verdict`): fits or not (every GPU's phases, and the host RAM for what the job keeps
+   there: `HostMemoryPlan`), tight phases, and what to change to fit or to go faster.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .components import OFFICIAL, ComponentSizes, bf16_sizes, checkpoint_attenti
 from .components import dit_sizes_from_file as _dit_sizes_from_file
 from .decode import DecodePlan
 from .hardware import HardwareProfile, detect_hardware, get_profile
+from .host import HostMemoryPlan, plan_host_memory
 from .layout import (
     MODE_WORDS,
     ChunkPlan,
@@ -100,6 +102,7 @@ class Plan:
     parallel: ParallelPlan | None = None
     decode: DecodePlan | None = None
     loader: LoaderPlan | None = None
+    host: HostMemoryPlan | None = None
 
     @property
     def fits(self) -> bool:
@@ -169,15 +172,21 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
                                       profile.gpus[placement.components["latent_upscaler"]])
                   if request.pass1_steps and request.pass2_steps else 0.0,
                   decode_s=decode.seconds)
-    # 6. verdict and advice
+    # 6. verdict and advice: every GPU's phases, then the host's RAM for what it keeps
+    verdict = check_memory(layout.gpus)
+    host = plan_host_memory(sizes=sizes, loader=loader, prefetch=layout.prefetch,
+                            frames=request.frame_count, width=request.width,
+                            height=request.height, available_bytes=profile.host_ram_bytes,
+                            source=profile.host_ram_source)
+    if not host.fits:
+        verdict.problems.append(host.problem())
     plan = Plan(request=request, profile=profile, sizes=sizes, pass1=shapes["pass1"],
                 pass2=shapes["pass2"], root_device=placement.root,
                 helper_devices=list(placement.helpers), placement=dict(placement.components),
                 dual_sage=_dual_sage_plan(ctx, dual, decision), chunking=layout.chunking,
                 prefetch=layout.prefetch, gpus=layout.gpus, step_time_s=step,
                 single_gpu_step_time_s=single, attention=attention, job_time=job,
-                verdict=check_memory(layout.gpus), parallel=parallel, decode=decode,
-                loader=loader,
+                verdict=verdict, parallel=parallel, decode=decode, loader=loader, host=host,
                 notes=[*layout.notes, *_range_notes(ctx, placement, profile)])
     advise(plan, suggest)
     return plan

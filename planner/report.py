@@ -51,11 +51,18 @@ def _headline(plan: Plan) -> list[str]:
         first = (f"{word}: the whole job ~{duration(job.total_s)} on {plan.profile.name} "
                  f"({parts})")
     else:
-        g, phase = next((g, k) for g in plan.gpus for k, m in g.phases.items()
-                        if m.peak > g.usable_bytes)
-        first = (f"{word} on {plan.profile.name}: gpu:{g.index} {phase} needs "
-                 f"{g.phases[phase].peak / GiB:.1f} of {g.usable_bytes / GiB:.1f} GiB; the job "
-                 f"as planned ~{duration(job.total_s)}")
+        over = next(((g, k) for g in plan.gpus for k, m in g.phases.items()
+                     if m.peak > g.usable_bytes), None)
+        if over is not None:
+            g, phase = over
+            what = (f"gpu:{g.index} {phase} needs {g.phases[phase].peak / GiB:.1f} of "
+                    f"{g.usable_bytes / GiB:.1f} GiB")
+        else:  # only the host's RAM is short
+            host = plan.host
+            what = (f"host RAM needs {host.needed_bytes / GiB:.1f} of "
+                    f"{host.available_bytes / GiB:.1f} GiB")
+        first = (f"{word} on {plan.profile.name}: {what}; the job as planned "
+                 f"~{duration(job.total_s)}")
     passes = [f"{LABELS[n]} {steps} x {_r(plan.step_time_s[n], 1):.1f} s = "
               f"{duration(steps * plan.step_time_s[n])}"
               for n, steps in (("pass1", job.pass1_steps), ("pass2", job.pass2_steps)) if steps]
@@ -107,6 +114,8 @@ def _decisions(plan: Plan) -> list[str]:
                  f" -- {pf.reason}")
     if plan.loader is not None:
         lines.append(f"loader: {plan.loader.describe()}")
+    if plan.host is not None:
+        lines.append(f"host RAM: {plan.host.describe()}")
     if ch.ffn_chunk or ch.qkv_chunk or ch.head_group:
         lines.append(f"chunking: FFN {ch.ffn_chunk} rows, QKV {ch.qkv_chunk} rows, "
                      f"{ch.head_group} heads per attention call -- {ch.reason}")
@@ -225,6 +234,9 @@ def plan_to_dict(plan: Plan) -> dict:
                      "streamer": plan.prefetch.streamer,
                      "streamed_refiner_blocks": plan.prefetch.streamed_refiner_blocks,
                      "staged_blocks": plan.prefetch.staged_blocks},
+        "host_ram": None if plan.host is None else {
+            "needed_bytes": plan.host.needed_bytes, "available_bytes": plan.host.available_bytes,
+            "source": plan.host.source, "fits": plan.host.fits, "parts": dict(plan.host.parts)},
         "loader": None if plan.loader is None else {
             "mode": plan.loader.mode, "reason": plan.loader.reason,
             "pinned_budget_bytes": plan.loader.pinned_budget_bytes,

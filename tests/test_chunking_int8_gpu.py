@@ -5,9 +5,9 @@ comfy-kitchen's CUDA `int8_linear` quantizes activations per row and accumulates
 (`bench/sweep_int8_chunk_exactness.py` measures the kernel alone). Here the real MiniMaxH3
 with H3's widths (hidden 5376, 56 x 128 heads, FFN 14336; 2 DiT + 1 refiner block), loaded
 from an INT8 ConvRot file by ComfyUI's loader, bf16 compute, ~3.4k tokens, is chunked far below
-the bf16 floors (777 and 1,000 rows) and must equal ComfyUI's unpatched output bit for bit, with
-weight-patch LoRA and a bypass LoRA (whose fc2 adapter upstream does not run), the status
-saying "exact".
+the bf16 floors (777 and 1,000 rows; the fused SwiGLU fc2 at its measured 2-row floor) and
+must equal ComfyUI's unpatched output bit for bit, with weight-patch LoRA and a bypass LoRA
+(whose fc2 adapter upstream does not run), the status saying "exact".
 
     COMFYUI_PATH=/path/to/ComfyUI python -m pytest -m "comfyui and gpu" -o addopts="" \
         tests/test_chunking_int8_gpu.py
@@ -31,6 +31,7 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
+from h3_multigpu.chunking.exact_rows import INT8_FUSED_FC2_MIN_ROWS
 from h3_multigpu.chunking.h3_ops import weight_format
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu]
@@ -75,6 +76,8 @@ def test_int8_chunks_below_the_bf16_floor_are_bit_identical(int8_model, case):
         # elsewhere (or below them) the line says may differ; fc2's does not run at all
         assert "fc2's on-activation LoRA does not run" in line, line
     else:
-        assert (plan.ffn_floor, plan.qkv_floor) == (1, 1) and line.endswith("; exact"), line
+        # the fused INT8 SwiGLU fc2 needs 2 rows (measured); every other INT8 linear any rows
+        assert (plan.ffn_floor, plan.qkv_floor) == (INT8_FUSED_FC2_MIN_ROWS, 1), plan
+        assert line.endswith("; exact"), line
         for a, b in zip(out, reference, strict=True):
             assert torch.equal(a, b), f"max |diff| {(a - b).abs().max().item():.3e}"

@@ -67,11 +67,18 @@ def test_h200_rates_reproduce_the_calls_they_were_measured_on():
                                              get_profile("2xH200").link, (28, 28)) * 1e3
         assert split == pytest.approx(row["split_ms"], rel=TOLERANCE), row["S"]
     for row in load("h200_ck_int8_attention.json"):
-        cudnn = timing.attention_s(row["S"], _h200("cudnn")) * 1e3
+        cudnn = timing.attention_s(row["S"], _h200("cudnn")) * 1e3  # the lab's torch build
         ck = timing.attention_s(row["S"], _h200("ck")) * 1e3
         assert cudnn == pytest.approx(row["sdpa_ms"], rel=TOLERANCE), row["S"]
         if row["S"] > 20_000:  # the long calls the planner times (15k runs at 0.71x)
             assert ck == pytest.approx(row["sdpa_ms"] / row["ck_int8_x_sdpa"], rel=TOLERANCE)
+    # comfy-kitchen's int8_linear (the official INT8 ConvRot DiT), as bench_time_model.py
+    # measured it on an H200
+    rows = {(r["row"], r.get("S")): r for r in load("time_model_h200.json")["rows"] if "ms" in r}
+    int8_rate = _h200("sdpa", "int8")
+    assert int8_rate.gemm_kind == "int8"
+    int8 = geometry.linear_flops_per_token() * 35_305 / (int8_rate.gemm_tflops * 1e9)
+    assert int8 == pytest.approx(rows["int8_gemm", 35_305]["ms"], rel=TOLERANCE)
     anchors = load("h200_anchors.json")
     for row in anchors["block_stream"]:
         ms = geometry.linear_flops_per_token() * row["S"] / (H200.matmul_tflops * 1e9)

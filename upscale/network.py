@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..guard.interrupt import check_interrupt
+
 # The H3 video VAE's per-channel latent statistics the checkpoint was trained with.
 LATENT_MEAN = (
     0.858090341091156, -0.9606591463088989, 1.0661640167236328, -0.5090325474739075,
@@ -139,6 +141,8 @@ class H3LatentUpscaler(nn.Module):
     @staticmethod
     def _run(stage: nn.ModuleList, z: torch.Tensor, emb_BE: torch.Tensor) -> torch.Tensor:
         for block in stage:
+            # plain torch layers check no cancel: ComfyUI's is seen between blocks
+            check_interrupt()
             z = block(z, emb_BE) if isinstance(block, ResidualBlock) else block(z)
         return z
 
