@@ -236,7 +236,9 @@ class SequenceRunner:
         previous = transformer_options.get(comfy_clones.OVERRIDE_KEY)
         jobs = []
         for k, share in enumerate(state.shares):
-            override = ShareAttention(self, state, exchange, k, seq_len, previous, blocks[k])
+            # the attention ComfyUI would run is the root module's choice (a preferred
+            # attention set on the root's modules is not on a helper clone's)
+            override = ShareAttention(self, state, exchange, k, seq_len, previous, blocks[0])
             options = {**transformer_options, comfy_clones.OVERRIDE_KEY: override}
             jobs.append(_job(calls[k], share, options, override))
         try:
