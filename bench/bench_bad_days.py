@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny DiT on the CPU (dry run)")
     p.add_argument("--cap-gib", type=float, default=32.0)
     p.add_argument("--frames", type=int, default=124, help="the short clips' frames")
-    p.add_argument("--oom-frames", type=int, default=1205,
+    p.add_argument("--oom-frames", type=int, default=1212,
                    help="the too-long clip at 1312x736 (1205 f = 50 s, S ~ 332k)")
     p.add_argument("--watchdog-s", type=float, default=60.0)
     p.add_argument("--runs", type=int, default=10)

@@ -134,6 +134,9 @@ def release_pack_memory() -> PackMemory:
 # ------------------------------------------------------------------------------ the message
 _ASKED = re.compile(r"tried to allocate ([0-9.]+ [KMGT]i?B)", re.IGNORECASE)
 _GPU = re.compile(r"GPU (\d+) has a total capacity of ([0-9.]+ [KMGT]i?B)")
+# torch adds "N GiB allowed" when a per-process memory fraction caps the card: that cap is what
+# ran out, not the card's capacity
+_ALLOWED = re.compile(r"([0-9.]+ [KMGT]i?B) allowed")
 
 
 @dataclass
@@ -167,7 +170,11 @@ def oom_message(exc: BaseException, ctx: RunContext, freed: PackMemory) -> str:
     text = str(exc).strip()
     asked = _ASKED.search(text)
     gpu = _GPU.search(text)
-    where = f"gpu:{gpu.group(1)} ({gpu.group(2)})" if gpu else ctx.device
+    allowed = _ALLOWED.search(text)
+    where = ctx.device
+    if gpu:
+        where = (f"gpu:{gpu.group(1)} ({allowed.group(1)} allowed of {gpu.group(2)})" if allowed
+                 else f"gpu:{gpu.group(1)} ({gpu.group(2)})")
     size = ""
     if ctx.latent_thw is not None:
         t, h, w = ctx.latent_thw

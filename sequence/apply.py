@@ -1,7 +1,9 @@
 """ComfyUI seam: `SequenceParallelConfig` and `apply_sequence_parallel(model_patcher, config)`.
 
-Installs, on a clone of the patcher, through public hooks only:
+Installs, on a clone of the patcher:
 - a `("dit", "double_block", i)` replace patch per DiT block, chaining a patch already there.
+  Each GPU runs upstream's own block on its share of the rows (`runner.py`): the root through
+  the patch's `original_block`, each helper on its ComfyUI-managed clone of the model.
   The residual stream stays split over the GPUs across the whole block loop: the first patch
   scatters the rows, each later patch recognises the tensor the previous one returned (the model
   loop hands it straight on) and continues, the last one gathers. Anything else that could see
@@ -11,9 +13,14 @@ Installs, on a clone of the patcher, through public hooks only:
 - a DIFFUSION_MODEL wrapper: the root GPU current for the forward, the per-forward state, and
   the fallback: a helper failure (out of memory, a runtime error) re-runs that step on one GPU,
   with one warning.
-- an OUTER_SAMPLE wrapper: the helpers' weights and buffers are freed when sampling ends (unless
-  `keep_weights`), so the helper GPU is free for the VAEs, the upscaler and the text encoder; and
-  a ModelPatcher ON_DETACH callback frees them when ComfyUI unloads the model.
+- an OUTER_SAMPLE wrapper: before ComfyUI prepares sampling, each helper's clone
+  (`comfy_clones`: made once with ComfyUI's `deepclone_multigpu`, then matched to this run's
+  patcher: its LoRA patches, injections and hooks) is handed to ComfyUI as an additional model,
+  so ComfyUI loads it on the helper GPU (legacy loader or DynamicVRAM) and patches it; after
+  sampling the helpers are unloaded (unless `keep_weights`), so the helper GPU is free for the
+  VAEs, the upscaler and the text encoder; a ModelPatcher ON_DETACH callback frees our buffers
+  when ComfyUI unloads the model. Models ComfyUI cannot clone (no reload factory: the twin, a
+  custom loader) get our own binding (`weights.py`), named in the status line.
 
 Per forward the mode is decided at the first block, from the packed length S: "sequence" when
 every row share stays inside the exact range and the predicted block time beats one GPU and
@@ -32,7 +39,14 @@ from typing import Any
 import torch
 
 from ..chunking import exact_rows
-from ..chunking.formats import device_name, is_nvidia, linear_shape
+from ..chunking.formats import (
+    block_adapter_ranks,
+    device_name,
+    is_nvidia,
+    linear_shape,
+    skipped_adapter_note,
+)
+from ..comfy_seam.h3 import weight_format
 from ..comfy_seam.memory import free_vram_bytes
 from ..comfy_seam.names import DIFFUSION_MODEL, ON_DETACH, OUTER_SAMPLE
 from ..comfy_seam.names import SEQUENCE_KEY as WRAPPER_KEY
@@ -40,18 +54,19 @@ from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
 from ..geometry import HEADS
-from . import sizing
-from .h3_ops import H3Ops, block_adapter_ranks, skipped_adapter_note, weight_format
+from . import comfy_clones, sizing
 from .runner import SequenceRunner, SplitState, device_current
 from .split import SequenceSplit
+from .threads import DEFAULT_TIMEOUT_S
 from .weights import REPLICA, STREAM, HelperWeights, choose_mode
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEFAULT_LINK = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
-DYNAMIC_VRAM_OFF = ("off: under DynamicVRAM the helper weights need ComfyUI-managed clones "
-                    "(not yet)")
+DYNAMIC_VRAM_OFF = "off: under DynamicVRAM the helper weights need ComfyUI-managed clones"
+OUR_BINDING = "helper weights bound by the pack (ComfyUI cannot clone this model: {why})"
+COMFY_CLONES = "helper weights: ComfyUI-managed clones (deepclone_multigpu, loaded by ComfyUI)"
 _warned: set[str] = set()
 
 
@@ -77,6 +92,7 @@ class SequenceParallelConfig:
     min_rows: smallest row share (None: the measured exact range: 4096 rows on GPUs for plain
         weights, none for INT8 ConvRot on NVIDIA GPUs, `chunking.exact_rows`).
     keep_weights: keep the helpers' weights between sampling runs (faster, holds helper memory).
+    timeout_s: how long a share waits for another before the block is aborted (a stuck GPU).
     gpu_speeds / link_gbps: the time model's inputs (the planner passes the profile's).
     """
 
@@ -89,6 +105,7 @@ class SequenceParallelConfig:
     min_rows: int | None = None
     lookahead: int = 2
     keep_weights: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
     gpu_speeds: tuple[sizing.GPUSpeed, ...] | None = None
     link_gbps: float | None = None
     host_gbps: float = 25.0
@@ -105,6 +122,8 @@ class SequenceParallelConfig:
         if (self.chunk_heads is not None and self.chunk_heads < 1) or self.lookahead < 1:
             raise ValueError(f"chunk_heads={self.chunk_heads} and lookahead={self.lookahead} "
                              "must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")
         if self.min_rows is not None and self.min_rows < 1:
             raise ValueError(f"min_rows={self.min_rows} must be >= 1 (or None for the exact "
                              "range)")
@@ -210,9 +229,14 @@ class SequenceParallel:
 
     def __init__(self, diffusion_model: torch.nn.Module, base_model: Any,
                  devices: list[torch.device], config: SequenceParallelConfig,
-                 dynamic_vram: bool = False):
+                 dynamic_vram: bool = False, clone_refusal: str | None = None):
         self.diffusion_model = diffusion_model
-        self.dynamic_vram = dynamic_vram  # every step falls back (`under_dynamic_vram`)
+        self.dynamic_vram = dynamic_vram
+        # None: each helper is a ComfyUI-managed clone; else why we bind the weights ourselves
+        self.clone_refusal = clone_refusal
+        self.bases: dict[int, Any] = {}  # helper index -> its deepclone (kept for the model)
+        self.clones: dict[int, Any] | None = None  # this sampling run's matched clones
+        self.left_off: list[str] = []  # root object patches the helper clones run without
         self.base_model = base_model
         self.config = config
         self.blocks = list(diffusion_model.blocks)
@@ -254,7 +278,7 @@ class SequenceParallel:
                                 host_gbps=self.config.host_gbps)
 
     def weight_formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """Each block linear's weight formats over the blocks (`h3_ops.weight_format`)."""
+        """Each block linear's weight formats over the blocks (`comfy_seam.h3.weight_format`)."""
         return tuple((name, tuple(sorted({weight_format(_linear(b, name)) for b in self.blocks})))
                      for name in exact_rows.LINEARS)
 
@@ -266,10 +290,9 @@ class SequenceParallel:
         split's, 4,096 rows on GPUs; 1 for INT8 ConvRot)."""
         found: dict[str, set[int]] = {name: set() for name in exact_rows.LINEARS}
         for block in self.blocks:  # bypass adapters are injected at load: look each time
-            linears = {name: _linear(block, name) for name in exact_rows.LINEARS}
-            for name, ranks_of in block_adapter_ranks(block, linears).items():
+            for name, ranks_of in block_adapter_ranks(block).items():
                 found[name].update(ranks_of)
-        skipped = skipped_adapter_note(self.blocks[0], _linear(self.blocks[0], "fc2"))
+        skipped = skipped_adapter_note(self.blocks[0])
         if skipped:
             self._note(skipped)
         ranks = tuple((name, tuple(sorted(found[name]))) for name in exact_rows.LINEARS)
@@ -310,9 +333,9 @@ class SequenceParallel:
         if requested is ParallelMode.OFF:
             return _Decision(ParallelMode.OFF, "switched off" if forced is None else
                              "a helper failed at this length: one GPU")
-        if self.dynamic_vram:
+        if self.dynamic_vram and self.clone_refusal is not None:
             return _Decision(ParallelMode.HEADS if heads_ok else ParallelMode.OFF,
-                             DYNAMIC_VRAM_OFF.removeprefix("off: "))
+                             DYNAMIC_VRAM_OFF.removeprefix("off: ") + f": {self.clone_refusal}")
         floor, why, base = self.share_floor(dtype)
         refusal = self.split.refusal(seq_len, floor, why, base)
         if refusal is not None and (floor is None or floor > self.split.exact_min_rows
@@ -320,6 +343,9 @@ class SequenceParallel:
             self._note(f"sequence refused at {seq_len:,} tokens: {refusal}")
         if refusal is None and seq_len in self.failed_lengths:
             refusal = "a helper failed at this length before"
+        if refusal is None and self.clone_refusal is None and self.clones is None:
+            refusal = ("the helper clones are loaded by ComfyUI's sampler, and this forward "
+                       "ran outside sampling")
         speeds, link = self.speeds(), self.link()
         times = {"off": sizing.one_gpu_block_ms(seq_len, speeds[0])}
         if refusal is None:
@@ -414,6 +440,10 @@ class SequenceParallel:
     def _prepare(self, seq_len: int, options: dict) -> None:
         """Helper weights ready and fresh, the runner built (first split forward, or after
         a weight change or a release)."""
+        if self.runner is None:
+            self.runner = SequenceRunner(self.split, self.transport, self.config.timeout_s)
+        if self.clone_refusal is None:
+            return  # ComfyUI loaded and patched the helper clones (`outer_sample_wrapper`)
         prefetch = _prefetch_in(options)
         for k in range(1, len(self.devices)):
             weights = self.helper_weights.get(k)
@@ -421,8 +451,6 @@ class SequenceParallel:
                 weights = self._new_helper_weights(k, seq_len, prefetch)
                 self.helper_weights[k] = weights
             weights.refresh(self.base_model, prefetch)
-        if self.runner is None:
-            self.runner = SequenceRunner(self.split, self.transport, self.helper_weights)
 
     def _new_helper_weights(self, k: int, seq_len: int, prefetch: Any) -> HelperWeights:
         device = self.devices[k]
@@ -478,12 +506,14 @@ class SequenceParallel:
             if forward.mode is None:
                 self.choose_for(forward, args["img"].shape[0], args["img"].dtype)
             if forward.mode is not ParallelMode.SEQUENCE or not _decomposable(args) or \
-                    H3Ops.for_block(self.blocks[index]).in_training():
+                    comfy_clones.in_training(self.blocks[index]):
                 self._gather_into(forward)
                 return _call(previous, args, extra)
 
+            original = extra["original_block"]
+
             def run(a: dict) -> dict:
-                return {"img": self._run(forward, index, a, last)}
+                return {"img": self._run(forward, index, a, original, last)}
 
             if transparent_inside:
                 return _call(previous, args, {**extra, "original_block": run})
@@ -504,7 +534,8 @@ class SequenceParallel:
                 raise SequenceFailure(forward.seq_len) from exc
         forward.split = None
 
-    def _run(self, forward: _Forward, index: int, args: dict, last: bool) -> torch.Tensor:
+    def _run(self, forward: _Forward, index: int, args: dict, original: Callable,
+             last: bool) -> torch.Tensor:
         h_SC = args["img"]
         t_emb, rope, segments = args["t_emb"], args["rope_freqs"], args["mod_segments"]
         runner = self.runner
@@ -515,10 +546,12 @@ class SequenceParallel:
                 state = runner.scatter(h_SC, t_emb, rope, segments)
                 state.inputs = (id(t_emb), id(rope), id(segments))
                 forward.split = state
-            block = self.blocks[index]
-            chunked = block.__dict__.get("forward")
-            chunked = chunked if hasattr(chunked, "row_plan") else None
-            runner.run_block(state, index, block, args["transformer_options"], chunked)
+            calls, blocks = [_root_call(original, args)], [self.blocks[index]]
+            for k in range(1, len(self.devices)):
+                call, block = self._helper_call(k, index)
+                calls.append(call)
+                blocks.append(block)
+            runner.run_block(state, calls, args["transformer_options"], blocks)
             self.blocks_run += 1
             # whoever sees h next must see all of it: the model after the last block, a foreign
             # patch around this block or the next one
@@ -526,9 +559,42 @@ class SequenceParallel:
             if last or index in outside or index + 1 in outside:
                 runner.gather(state)
                 forward.split = None
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
+        except (torch.OutOfMemoryError, RuntimeError, TimeoutError) as exc:
             raise SequenceFailure(forward.seq_len) from exc
+        except BaseException:
+            # an interrupt or a foreign error: nothing of this forward is reused, and what the
+            # shares queued must finish before their buffers are freed or reused
+            forward.split = None
+            self._drain()
+            raise
         return h_SC
+
+    def _helper_call(self, k: int, index: int) -> tuple[Callable, torch.nn.Module]:
+        """Share k's block call: upstream's block of its ComfyUI clone, or our bound copy."""
+        if self.clone_refusal is None:
+            assert self.clones is not None
+            block = comfy_clones.diffusion_model(self.clones[k]).blocks[index]
+
+            def clone_call(x, t_emb, segments, rope, options):
+                return block(x, t_emb, segments, rope, transformer_options=options)
+
+            return clone_call, block
+        weights = self.helper_weights[k]
+
+        def copy_call(x, t_emb, segments, rope, options):
+            weights.begin(index)  # streamed: its slot filled (helper stream waits for it)
+            with weights.use(index) as module:
+                out = module(x, t_emb, segments, rope, transformer_options=options)
+            weights.end(index)
+            return out
+
+        return copy_call, self.blocks[index]
+
+    def _drain(self) -> None:
+        for device in dict.fromkeys(self.devices):
+            if device.type == "cuda":
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.synchronize(device)
 
     # ------------------------------------------------------------------ wrappers
     def diffusion_model_wrapper(self) -> Callable:
@@ -556,18 +622,58 @@ class SequenceParallel:
 
     def outer_sample_wrapper(self) -> Callable:
         def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
+            root = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
+            clones = self.match_clones(root)
             try:
                 return executor(*args, **kwargs)
             finally:
+                for clone in clones:
+                    comfy_clones.cleanup(clone)
+                self.clones = None
                 if not self.config.keep_weights:
                     self.release()
+                    for clone in clones:
+                        comfy_clones.unload(clone)
 
         return wrapper
 
+    def match_clones(self, root: Any) -> list[Any]:
+        """Before ComfyUI prepares sampling: each helper's clone matched to `root` (this run's
+        patcher) and handed to ComfyUI as an additional model, which loads and patches it."""
+        if self.clone_refusal is not None or root is None or \
+                self.config.parallel is ParallelMode.OFF:
+            return []
+        clones, left_off = {}, set()
+        for k in range(1, len(self.devices)):
+            base = self.bases.get(k)
+            if base is None:
+                base = comfy_clones.make_clone(root, self.devices[k])
+                self.bases[k] = base
+            clones[k], missing = comfy_clones.match_clone(root, base)
+            left_off.update(missing)
+        comfy_clones.set_clones(root, list(clones.values()))
+        for clone in clones.values():
+            comfy_clones.pre_run(clone)
+        if left_off:
+            self._note(f"the helper clones run without {len(left_off)} object patch(es) of "
+                       f"the root's blocks that cannot move to another model "
+                       f"({sorted(left_off)[0]}, ...): the helper shares run upstream's plain "
+                       "block there")
+        self.clones = clones
+        return list(clones.values())
+
+    def weights_words(self) -> str:
+        if self.clone_refusal is None:
+            words = COMFY_CLONES
+            if self.dynamic_vram:
+                words += ", under DynamicVRAM"
+            return words
+        return OUR_BINDING.format(why=self.clone_refusal) + f": {self.config.helper_weights}"
+
     def status(self) -> str:
-        if self.dynamic_vram:
-            return (f"{DYNAMIC_VRAM_OFF}; each step runs on Dual-Sage's heads where it is "
-                    "applied, else on one GPU")
+        if self.dynamic_vram and self.clone_refusal is not None:
+            return (f"{DYNAMIC_VRAM_OFF}, and {self.clone_refusal}; each step runs on "
+                    "Dual-Sage's heads where it is applied, else on one GPU")
         split = self.split
         helpers = ", ".join(str(d) for d in self.devices[1:])
         rows = ":".join(f"{w:g}" for w in split.row_weights)
@@ -575,7 +681,7 @@ class SequenceParallel:
         return (f"sequence parallel {self.config.parallel.value}: root {self.devices[0]}, "
                 f"helpers {helpers}; rows {rows}, heads {heads} in chunks of >= "
                 f"{split.chunk_heads_for(1 << 30)}; transport {'/'.join(sorted(self.modes))}; "
-                f"helper weights {self.config.helper_weights}; {self._exact_words()}; mode "
+                f"{self.weights_words()}; {self._exact_words()}; mode "
                 f"chosen per step from the token count"
                 + (f"; {self.config.note}" if self.config.note else "")
                 + "".join(f"; {note}" for note in self.notes))
@@ -607,6 +713,15 @@ class SequenceFailure(Exception):
 
 def _linear(block: torch.nn.Module, name: str) -> torch.nn.Module:
     return getattr(block.attn if name in ("qkv_proj", "out_proj") else block.mlp, name)
+
+
+def _root_call(original: Callable, args: dict) -> Callable:
+    """The root share's block call: the patch's `original_block` (upstream's block, with what
+    ComfyUI or a transparent patch put around it) on the root's rows."""
+    def call(x, t_emb, segments, rope, options):
+        return original({**args, "img": x, "t_emb": t_emb, "mod_segments": segments,
+                         "rope_freqs": rope, "transformer_options": options})["img"]
+    return call
 
 
 def _call(previous: Callable | None, args: dict, extra: dict) -> dict:
@@ -683,7 +798,8 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
     root = _root_device(model_patcher)
     devices = resolve_devices(root, config.helpers)
     mode = SequenceParallel(diffusion_model, model_patcher.model, devices, config,
-                            dynamic_vram=under_dynamic_vram(model_patcher))
+                            dynamic_vram=under_dynamic_vram(model_patcher),
+                            clone_refusal=comfy_clones.clone_refusal(model_patcher))
 
     patched = model_patcher.clone()
     options = patched.model_options.setdefault("transformer_options", {})
@@ -713,11 +829,11 @@ def under_dynamic_vram(model_patcher: Any) -> bool:
     """Whether ComfyUI streams this model with DynamicVRAM (comfy-aimdo).
 
     ComfyUI internal: `ModelPatcher.is_dynamic()`, True for the `ModelPatcherDynamic` its loader
-    picks then (ComfyUI 0.33.0 and the newest files; clones keep the class). The sequence mode
-    cannot run there yet: its helper weights would copy each module's `weight`, the unpatched
-    host tensor (a LoRA is a LowVramPatch applied at op time: lost), and the helper's linears
-    would take ComfyUI's VBAR cast (`comfy.ops.cast_bias_weight`: `hasattr(s, "_v")`), bound to
-    the root's allocation. The fix is helpers as ComfyUI-managed clones (a later step)."""
+    picks then (ComfyUI 0.33.0 and the newest files; clones keep the class). The mode runs there
+    on ComfyUI-managed helper clones (each its own VBARs, LoRA applied at op time by ComfyUI);
+    our own binding cannot (it would copy each module's unpatched host `weight`, and the
+    helper's linears would take ComfyUI's VBAR cast bound to the root), so without clones the
+    mode stays off."""
     is_dynamic = getattr(model_patcher, "is_dynamic", None)
     return bool(is_dynamic()) if callable(is_dynamic) else False
 

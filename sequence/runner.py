@@ -1,61 +1,80 @@
-"""One DiT block on every GPU, each on its share of the token rows; heads exchanged for attention.
+"""One DiT block on every GPU, each running upstream's own block on its share of the token rows.
 
-Per block, queued by the one host thread in an order where every event is recorded before any
-stream waits on it (a wait on a never-recorded CUDA event would be a no-op):
+Per block, every share k runs upstream `DiTBlock.forward` (the root through the block-replace
+patch's `original_block`, each helper on its own ComfyUI-managed clone of the block) on its
+rows, with the per-forward arguments sliced for them: the residual rows, `mod_segments`
+clipped and re-based (`clip_segments`), the RoPE table's rows, a copy of `t_emb`. Attention is
+the block's only cross-row operation; the block calls it through ComfyUI's
+`optimized_attention_override`, where `ShareAttention` does the head all-to-all:
 
-1. rows, on each device k (device current, the block's tensors bound to k's copy):
-   modulation, norm1, qkv_proj on its s_k rows, q/k RMSNorm + RoPE in place, then the gathers:
-   for each head chunk c of each device j, the strided q|k|v columns of its rows are copied into
-   one contiguous piece [s_k, 3, g, D] (straight into j's attention buffer when j == k), each
-   piece recorded by an event. These copy kernels run before any attention on k, so they never
-   compete with it for SMs. Right after its gathers, k's pieces leave on the k -> j links (copy
-   engines, one send stream per link), chunk by chunk in the order the chunks are attended.
-2. attention, on each device j, chunk by chunk: its compute stream waits for that chunk's pieces
-   from every other device (stream waits, no host synchronisation) and calls the attention
-   function ComfyUI would call (`optimized_attention` of the H3 module, with the block's
-   preferred attention and the forward's transformer_options: overrides, backends and flags all
-   apply) on q, k, v views `[1, g, S, D]` of the chunk buffer `[S, 3, g, D]`. The rows of the
-   output `[S, g*D]` that belong to another device go back on the j -> k link while the next
-   chunk is attended; j's own rows are copied into its output on its compute stream.
-3. rows again, on each device k: wait for the returned pieces, assemble the attention output
-   [s_k, I], then out_proj, gate, norm2, modulation, MLP, gate, in place on k's residual rows.
+1. buffers: share k allocates, on its device, one [S, 3, g, D] buffer per head chunk it attends
+   and one [s_k, g*D] piece per chunk another share returns to it, and posts them.
+2. gathers: for each head chunk c of each share j (in the order chunks are attended), k copies
+   the q|k|v columns of its rows into one contiguous piece [s_k, 3, g, D] (straight into its own
+   buffer when j == k) and sends it on the k -> j link (copy engines, one send stream per link),
+   posting the arrival event.
+3. attention, chunk by chunk: k's compute stream waits for that chunk's pieces from every other
+   share (stream waits, no host synchronisation) and calls the attention function ComfyUI would
+   call (a chained override, else the module's preferred attention, else ComfyUI's `func`) on
+   q, k, v views [1, g, S, D]; the rows of the output that belong to another share go back on
+   the k -> j link while the next chunk is attended.
+4. k waits for the returned pieces and hands upstream its rows' output [1, s_k, H*D].
 
-Exactness: every op of phases 1 and 3 is per token (row-independent at the row counts where the
-GEMM kernel does not change, see `split.py`) and attention per head over all S rows is the same
-computation on the same inputs, so the result is the single-GPU block's bit for bit.
+Each share runs on a host thread of its own (`threads.py`: the root share on the model's
+thread, helpers on persistent workers carrying the torch state); `threads.Exchange` orders the
+host side (an event is always recorded before a stream waits on it) and releases every share
+when one fails. Each link is issued by its source share's thread only.
 
-Buffers are allocated per block from each device's caching allocator on its compute stream and
-marked with `record_stream` for the link streams that also touch them, so the allocator reuses
-their memory only after those copies completed; between blocks only the residual rows live.
+Exactness: every op but attention is per token and runs upstream's code on the share's rows
+(row-independent at the row counts where the GEMM kernel does not change, see `split.py`);
+attention per head over all S rows is the same computation on the same inputs, so the result
+is the single-GPU block's bit for bit.
 
-Legend: S tokens, C hidden, H heads, D head dim, I = H*D, s_k rows of device k, g heads per
+Legend: S tokens, C hidden, H heads, D head dim, I = H*D, s_k rows of share k, g heads per
 chunk. Tensor suffixes name their dims.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..chunking.sizing import row_chunks
+from ..comfy_seam.names import OVERRIDE_KEY
 from ..exchange.links import Link, keep_until_used
 from ..exchange.streams import current_stream, record, wait
 from ..exchange.transport import TransportMode
 from ..guard.device import device_context
-from .h3_ops import H3Ops, clip_segments, project_rows
+from . import comfy_clones
 from .split import SequenceSplit
-from .weights import HelperWeights
+from .threads import DEFAULT_TIMEOUT_S, Exchange, ShareWorker, run_shares
 
 Segments = list[tuple[int, int, Any]]
+# one share's block call: (x_sC, t_emb, segments, rope, transformer_options) -> new x_sC
+BlockCall = Callable[[torch.Tensor, torch.Tensor, Segments, torch.Tensor, dict], torch.Tensor]
+
+
+def clip_segments(segments: Segments, start: int, stop: int) -> Segments:
+    """Modulation segments of rows [start, stop), re-based to start at 0.
+
+    A segment's row is a modulation row index, or a per-token index tensor over the segment
+    (sliced to the clipped rows)."""
+    out: Segments = []
+    for a, b, row in segments:
+        lo, hi = max(a, start), min(b, stop)
+        if lo >= hi:
+            continue
+        if isinstance(row, torch.Tensor) and row.ndim > 0:
+            row = row[lo - a:hi - a]
+        out.append((lo - start, hi - start, row))
+    return out
 
 
 @dataclass
 class DeviceRows:
-    """One device's share of the residual stream and of the per-forward block inputs."""
+    """One share of the residual stream and of the per-forward block inputs."""
 
     device: torch.device
     start: int
@@ -96,33 +115,40 @@ device_current = device_context
 
 
 class SequenceRunner:
-    """Runs DiT blocks split over `split.devices`; owns the links between them."""
+    """Runs DiT blocks split over `split.devices`; owns the links and the share threads."""
 
     def __init__(self, split: SequenceSplit, transport: TransportMode,
-                 helper_weights: dict[int, HelperWeights]):
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self.split = split
         self.transport = transport
-        self.helper_weights = helper_weights  # device index (>= 1) -> its weights
-        self.links: dict[tuple[int, int], Link] = {}
+        self.timeout_s = timeout_s
+        n = len(split.devices)
+        # every link exists before any share thread runs: each is then used by one thread
+        self.links: dict[tuple[int, int], Link] = {
+            (a, b): Link(split.devices[a], split.devices[b], transport)
+            for a in range(n) for b in range(n) if a != b}
+        self.workers: list[ShareWorker | None] = [None] + [
+            ShareWorker(f"h3-sequence-share-{k}") for k in range(1, n)]
+        self.attention_calls = 0
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
         return self.split.devices
 
     def link(self, src: int, dst: int) -> Link:
-        key = (src, dst)
-        if key not in self.links:
-            self.links[key] = Link(self.devices[src], self.devices[dst], self.transport)
-        return self.links[key]
+        return self.links[(src, dst)]
 
     def transports(self) -> set[str]:
-        n = len(self.devices)
-        return {self.link(a, b).mode.value for a in range(n) for b in range(n) if a != b}
+        return {link.mode.value for link in self.links.values()}
 
     def close(self) -> None:
         for link in self.links.values():
             link.close()
         self.links = {}
+        for worker in self.workers:
+            if worker is not None:
+                worker.close()
+        self.workers = [None] * len(self.workers)
 
     # ------------------------------------------------------------------ scatter / gather
     def scatter(self, h_SC: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
@@ -201,188 +227,167 @@ class SequenceRunner:
         return state.h_SC
 
     # ------------------------------------------------------------------ one block
-    @contextlib.contextmanager
-    def on_device(self, k: int, index: int) -> Iterator[None]:
-        """Device k current and, on a helper, block `index`'s tensors bound to k's copy."""
-        with device_current(self.devices[k]):
-            if k == 0:
-                yield
-                return
-            with self.helper_weights[k].use(index):
-                yield
-
-    def run_block(self, state: SplitState, index: int, block: torch.nn.Module,
-                  transformer_options: dict, chunked: Any = None) -> None:
-        """Block `index` on every device, updating each device's residual rows in place."""
-        ops = H3Ops.for_block(block)
-        attn = block.attn
-        heads, head_dim = attn.heads, attn.head_dim
-        inner = heads * head_dim
+    def run_block(self, state: SplitState, calls: list[BlockCall], transformer_options: dict,
+                  blocks: list[torch.nn.Module]) -> None:
+        """One block on every share (`calls[k]` runs upstream's block on share k's rows,
+        `blocks[k]` is the module it runs), updating each share's residual rows."""
         seq_len = state.h_SC.shape[0]
-        n = len(self.devices)
-        chunks, order = self.split.attention_plan(seq_len)
-        shares = state.shares
         state.gathered = False
-
-        for k in range(1, n):
-            with device_current(self.devices[k]):
-                self.helper_weights[k].begin(index)
-
-        # every device's attention buffers: one [S, 3, g, D] per chunk it attends
-        dest: list[list[torch.Tensor]] = []
-        dest_ready: list[Any] = []
-        for j in range(n):
-            with device_current(self.devices[j]):
-                dest.append([torch.empty((seq_len, 3, h1 - h0, head_dim), dtype=state.h_SC.dtype,
-                                         device=self.devices[j]) for h0, h1 in chunks[j]])
-                # links write these: only after the memory's last owner's kernels on j
-                dest_ready.append(record(current_stream(self.devices[j])))
-
-        # 1. rows: projections, RoPE, gathers; pieces leave as soon as they are gathered
-        mods: list[tuple[torch.Tensor, ...]] = []
-        sizes: list[tuple[int, int]] = []
-        arrived: dict[tuple[int, int, int], Any] = {}
-        for k, share in enumerate(shares):
-            with self.on_device(k, index):
-                rows = _row_chunks(chunked, share.x_sC)
-                sizes.append(rows)
-                qkv_chunk, qkv_floor = rows[1]
-                mod = block.adaln_proj(share.t_emb)
-                mods.append(mod)
-                h_sC = ops.mod_scale_shift(block.norm1(share.x_sC), mod[0], mod[1],
-                                           share.segments)
-                qkv_sN = project_rows(attn.qkv_proj, h_sC, qkv_chunk, qkv_floor)
-                del h_sC  # consumed: free it before the attention buffers fill
-                s = share.rows
-                q = qkv_sN[:, :inner].view(1, s, heads, head_dim)
-                k_ = qkv_sN[:, inner:2 * inner].view(1, s, heads, head_dim)
-                ops.rms_rope_(q, k_, share.rope, ops.norm_weight(attn.q_norm.weight, share.device),
-                              ops.norm_weight(attn.k_norm.weight, share.device), attn.q_norm.eps,
-                              share.rope.shape[-3] * 2)
-                qkv_s3HD = qkv_sN.view(s, 3, heads, head_dim)
-                compute = current_stream(share.device)
-                pieces = []
-                for j, c in order:
-                    h0, h1 = chunks[j][c]
-                    if j == k:
-                        dest[k][c][share.start:share.stop].copy_(qkv_s3HD[:, :, h0:h1])
-                        continue
-                    piece = torch.empty((s, 3, h1 - h0, head_dim), dtype=qkv_sN.dtype,
-                                        device=share.device)
-                    piece.copy_(qkv_s3HD[:, :, h0:h1])
-                    pieces.append((j, c, piece, record(compute)))
-                del qkv_sN, q, k_, qkv_s3HD
-            for j, c, piece, gathered in pieces:
-                arrived[(j, c, k)] = self._send(k, j, dest[j][c][share.start:share.stop], piece,
-                                                gathered, dest_ready[j])
-            # the links keep the pieces until sent (`keep_until_used`); a reference here would
-            # hold the last device's [s, 3, H - h, D] pieces through attention and the MLP
-            # (measured: the helper's peak 0.69 GiB above the model at S = 68,706)
-            pieces = piece = None
-
-        # where each device's attention output lands: its own [s, I] and the returned pieces
-        outs: list[torch.Tensor | None] = []
-        recv: dict[tuple[int, int, int], torch.Tensor] = {}
-        recv_ready: list[Any] = []
-        for k, share in enumerate(shares):
-            with device_current(share.device):
-                outs.append(torch.empty((share.rows, inner), dtype=state.h_SC.dtype,
-                                        device=share.device))
-                for j in range(n):
-                    if j != k:
-                        for c, (h0, h1) in enumerate(chunks[j]):
-                            recv[(k, j, c)] = torch.empty((share.rows, (h1 - h0) * head_dim),
-                                                          dtype=state.h_SC.dtype,
-                                                          device=share.device)
-                # links write the returned pieces: only after the memory's last owner is done
-                recv_ready.append(record(current_stream(share.device)))
-
-        # 2. attention, chunk by chunk; other devices' rows go back while the next chunk runs
-        returned: dict[tuple[int, int, int], Any] = {}
-        for j, share in enumerate(shares):
-            with device_current(share.device):
-                compute = current_stream(share.device)
-                for c, (h0, h1) in enumerate(chunks[j]):
-                    for k in range(n):
-                        if k != j:
-                            # attending before k's rows of this chunk landed reads garbage
-                            wait(compute, arrived[(j, c, k)])
-                    buf = dest[j][c]
-                    out_SG = self._attend(ops, attn, buf, h1 - h0, transformer_options)
-                    outs[j][:, h0 * head_dim:h1 * head_dim].copy_(out_SG[share.start:share.stop])
-                    done = record(compute)
-                    for k, other in enumerate(shares):
-                        if k == j:
-                            continue
-                        returned[(k, j, c)] = self._send(j, k, recv[(k, j, c)],
-                                                         out_SG[other.start:other.stop], done,
-                                                         recv_ready[k])
-                    # this chunk's buffer is free once attended (marked for the link streams)
-                    dest[j][c] = None  # type: ignore[call-overload]
-                    del out_SG, buf
-
-        # 3. rows again: assemble the attention output, out_proj, gates, MLP
-        for k, share in enumerate(shares):
-            with self.on_device(k, index):
-                compute = current_stream(share.device)
-                for j in range(n):
-                    if j == k:
-                        continue
-                    for c, (h0, h1) in enumerate(chunks[j]):
-                        # the returned rows are read next: they must have arrived
-                        wait(compute, returned[(k, j, c)])
-                        outs[k][:, h0 * head_dim:h1 * head_dim].copy_(recv.pop((k, j, c)))
-                (ffn_chunk, ffn_floor), (qkv_chunk, qkv_floor) = sizes[k]
-                _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods[k]
-                _gated_rows(ops, share.x_sC, gate_msa, attn.out_proj, outs[k], share.segments,
-                            qkv_chunk, qkv_floor)
-                outs[k] = None
-                h_sC = ops.mod_scale_shift(block.norm2(share.x_sC), shift_mlp, scale_mlp,
-                                           share.segments)
-                _gated_rows(ops, share.x_sC, gate_mlp, block.mlp, h_sC, share.segments,
-                            ffn_chunk, ffn_floor)
-                del h_sC
-            if k:
-                with device_current(share.device):
-                    self.helper_weights[k].end(index)
+        exchange = Exchange(self.timeout_s)
+        previous = transformer_options.get(OVERRIDE_KEY)
+        jobs = []
+        for k, share in enumerate(state.shares):
+            # the attention ComfyUI would run is the root module's choice (a preferred
+            # attention set on the root's modules is not on a helper clone's)
+            override = ShareAttention(self, state, exchange, k, seq_len, previous, blocks[0])
+            options = {**transformer_options, OVERRIDE_KEY: override}
+            jobs.append(_job(calls[k], share, options, override))
+        try:
+            outs = run_shares(self.workers, jobs, self.devices, exchange)
+        finally:
+            self._replace_stuck_workers()
+        for share, out in zip(state.shares, outs, strict=True):
+            if out is not share.x_sC:
+                if share is state.shares[0]:
+                    share.x_sC.copy_(out)  # the root's rows live in the model's h
+                else:
+                    share.x_sC = out
         state.version = tensor_version(state.h_SC)
 
-    @staticmethod
-    def _attend(ops: H3Ops, attn: torch.nn.Module, buf_S3gD: torch.Tensor, g: int,
-                transformer_options: dict) -> torch.Tensor:
-        """The attention function ComfyUI would call, on one chunk: returns [S, g*D]."""
-        seq_len = buf_S3gD.shape[0]
-        q_BgSD, k_BgSD, v_BgSD = (buf_S3gD[:, i].transpose(0, 1).unsqueeze(0) for i in range(3))
-        kwargs: dict[str, Any] = {"mask": None, "skip_reshape": True,
-                                  "transformer_options": transformer_options}
-        preferred = getattr(attn, "comfy_attention", None)
+    def _replace_stuck_workers(self) -> None:
+        for k, worker in enumerate(self.workers):
+            if worker is not None and worker.busy:
+                # past the timeout: its call may still finish some day; the next block gets a
+                # fresh thread instead of queueing behind it
+                self.workers[k] = ShareWorker(f"h3-sequence-share-{k}")
+
+
+def _job(call: BlockCall, share: DeviceRows, options: dict,
+         override: ShareAttention) -> Callable[[], torch.Tensor]:
+    def job() -> torch.Tensor:
+        with device_current(share.device):
+            out = call(share.x_sC, share.t_emb, share.segments, share.rope, options)
+        if not override.called:
+            raise RuntimeError("sequence parallel: the block returned without calling "
+                               "attention through transformer_options' override; it cannot "
+                               "be split by rows")
+        return out
+    return job
+
+
+class ShareAttention:
+    """The attention override one share's block call sees: the head all-to-all (module doc)."""
+
+    def __init__(self, runner: SequenceRunner, state: SplitState, exchange: Exchange, k: int,
+                 seq_len: int, previous: Any, block: torch.nn.Module):
+        self.runner = runner
+        self.state = state
+        self.exchange = exchange
+        self.k = k
+        self.seq_len = seq_len
+        self.previous = previous  # chained override (Dual-Sage's steps aside under sequence)
+        self.block = block
+        self.called = False
+
+    def __call__(self, func: Callable, q: torch.Tensor, k_: torch.Tensor, v: torch.Tensor,
+                 heads: int, **kwargs: Any) -> torch.Tensor:
+        share = self.state.shares[self.k]
+        if self.called or q.shape[1] != self.runner.split.heads or q.shape[2] != share.rows:
+            raise RuntimeError(f"sequence parallel: an attention call of {tuple(q.shape)} on "
+                               f"share {self.k} ({share.rows} rows, {self.runner.split.heads} "
+                               "heads) is not the block's one self-attention")
+        self.called = True
+        self.runner.attention_calls += 1
+        return self._exchange(func, q, k_, v, heads, kwargs)
+
+    def _attend(self, func: Callable, q_BgSD: torch.Tensor, k_BgSD: torch.Tensor,
+                v_BgSD: torch.Tensor, g: int, kwargs: dict) -> torch.Tensor:
+        """The attention function ComfyUI would call on these heads (its override chain if
+        one is installed, else the module's preferred attention, else `func`)."""
+        if self.previous is not None:
+            return self.previous(func, q_BgSD, k_BgSD, v_BgSD, g, **kwargs)
+        preferred = getattr(getattr(self.block.attn, "comfy_attention", None), "function", None)
         if preferred is not None:
-            kwargs["preferred_attention"] = preferred
-        out = ops.optimized_attention(ops.wrap(q_BgSD), ops.wrap(k_BgSD), ops.wrap(v_BgSD), g,
-                                      **kwargs)
-        out_SG = out.reshape(seq_len, -1)
-        # links move contiguous rows only (a view here would make the return a strided gather)
-        return out_SG if out_SG.is_contiguous() else out_SG.contiguous()
+            wrap = comfy_clones.container(self.block)
+            return preferred(wrap(q_BgSD), wrap(k_BgSD), wrap(v_BgSD), g, **kwargs)
+        return func(q_BgSD, k_BgSD, v_BgSD, g, **kwargs)
 
+    def _exchange(self, func: Callable, q_BHsD: torch.Tensor, k_BHsD: torch.Tensor,
+                  v_BHsD: torch.Tensor, heads: int, kwargs: dict) -> torch.Tensor:
+        runner, ex, me = self.runner, self.exchange, self.k
+        shares = self.state.shares
+        share = shares[me]
+        device, s, head_dim = share.device, share.rows, q_BHsD.shape[-1]
+        dtype, n = q_BHsD.dtype, len(shares)
+        chunks, order = runner.split.attention_plan(self.seq_len)
+        compute = current_stream(device)
 
-def _row_chunks(chunked: Any, x_sC: torch.Tensor) -> tuple[tuple[int, int | None], ...]:
-    """((ffn_chunk, floor), (qkv_chunk, floor)) from an activation-chunking forward on the
-    block for this share (its plan keeps each phase's row floor), else unchunked."""
-    if chunked is None:
-        return (0, None), (0, None)
-    plan = chunked.row_plan(x_sC)
-    return (plan.ffn_chunk, plan.ffn_floor), (plan.qkv_chunk, plan.qkv_floor)
+        # 1. buffers: what the others write into on this device
+        dest = [torch.empty((self.seq_len, 3, h1 - h0, head_dim), dtype=dtype, device=device)
+                for h0, h1 in chunks[me]]
+        recv = {(j, c): torch.empty((s, (h1 - h0) * head_dim), dtype=dtype, device=device)
+                for j in range(n) if j != me for c, (h0, h1) in enumerate(chunks[j])}
+        out_sI = torch.empty((s, heads * head_dim), dtype=dtype, device=device)
+        # links write these: only after the memory's last owner's kernels on this device
+        ex.post(("buffers", me), (dest, recv, record(compute)))
 
+        # 2. gathers: this share's rows of every chunk; pieces leave as soon as gathered
+        qkv = (q_BHsD[0].transpose(0, 1), k_BHsD[0].transpose(0, 1), v_BHsD[0].transpose(0, 1))
+        sent = []
+        for j, c in order:
+            h0, h1 = chunks[j][c]
+            if j == me:
+                target = dest[c][share.start:share.stop]
+                for i, t_sHD in enumerate(qkv):
+                    target[:, i].copy_(t_sHD[:, h0:h1])
+                continue
+            piece = torch.empty((s, 3, h1 - h0, head_dim), dtype=dtype, device=device)
+            for i, t_sHD in enumerate(qkv):
+                piece[:, i].copy_(t_sHD[:, h0:h1])
+            gathered = record(compute)
+            dest_j, _, ready_j = ex.take(("buffers", j))
+            arrived = runner._send(me, j, dest_j[c][share.start:share.stop], piece, gathered,
+                                   ready_j)
+            ex.post(("qkv", j, c, me), arrived)
+            sent.append(piece)
+        # the links keep the pieces until sent (`keep_until_used`: on a GPU their memory is
+        # not reused before the copies ran, so all of them count); held past attention they
+        # would stay through the MLP
+        sent = piece = None
+        del qkv, q_BHsD, k_BHsD, v_BHsD
 
-def _gated_rows(ops: H3Ops, x_sC: torch.Tensor, gate: torch.Tensor, module: torch.nn.Module,
-                input_sK: torch.Tensor, segments: Segments, chunk: int,
-                floor: int | None = None) -> None:
-    """x += gate * module(input) per segment, `chunk` rows at a time (all at once when 0)."""
-    ranges = row_chunks(x_sC.shape[0], chunk, floor)
-    if len(ranges) <= 1:
-        ops.mod_gate(x_sC, gate, module(input_sK), segments)
-        return
-    for start, stop in ranges:
-        part = module(input_sK[start:stop])
-        ops.mod_gate(x_sC[start:stop], gate, part, clip_segments(segments, start, stop))
-        del part  # this chunk's output is freed before the next chunk runs
+        # 3. attention, chunk by chunk; other shares' rows go back while the next one runs
+        for c, (h0, h1) in enumerate(chunks[me]):
+            for other in range(n):
+                if other != me:
+                    # attending before that share's rows of this chunk landed reads garbage
+                    wait(compute, ex.take(("qkv", me, c, other)))
+            buf = dest[c]
+            q_c, k_c, v_c = (buf[:, i].transpose(0, 1).unsqueeze(0) for i in range(3))
+            out = self._attend(func, q_c, k_c, v_c, h1 - h0, kwargs)
+            out_SG = out.reshape(self.seq_len, -1)
+            # links move contiguous rows only (a view here would make the return a gather)
+            out_SG = out_SG if out_SG.is_contiguous() else out_SG.contiguous()
+            out_sI[:, h0 * head_dim:h1 * head_dim].copy_(out_SG[share.start:share.stop])
+            done = record(compute)
+            for other in range(n):
+                if other == me:
+                    continue
+                _, recv_o, ready_o = ex.take(("buffers", other))
+                rows = shares[other]
+                ret = runner._send(me, other, recv_o[(me, c)], out_SG[rows.start:rows.stop],
+                                   done, ready_o)
+                ex.post(("returned", other, me, c), ret)
+            # this chunk's buffer is free once attended (marked for the link streams)
+            dest[c] = None  # type: ignore[call-overload]
+            del out, out_SG, buf, q_c, k_c, v_c
+
+        # 4. the returned rows of the other shares' heads
+        for j in range(n):
+            if j == me:
+                continue
+            for c, (h0, h1) in enumerate(chunks[j]):
+                # the returned rows are read next: they must have arrived
+                wait(compute, ex.take(("returned", me, j, c)))
+                out_sI[:, h0 * head_dim:h1 * head_dim].copy_(recv.pop((j, c)))
+        return out_sI.unsqueeze(0)

@@ -177,13 +177,18 @@ def sequence_memory(seq_len: int, head_counts: Sequence[int], *,
         pieces = s * 3 * (heads - head_counts[k]) * d * e
         g = min(max(chunk_heads, 1), head_counts[k])
         h = s * c * e
-        projecting = h + dest + qkv  # qkv_proj writes while h and the buffers exist
-        gathering = dest + s * 3 * dims.inner * e + pieces
-        attending = dest + s * dims.inner * e + s * (heads - head_counts[k]) * d * e \
-            + seq_len * g * d * e + g * seq_len * block_sizing.LSE_BYTES
+        # upstream's block runs on the share: its frames hold the attention input h and the
+        # q|k|v projection (ComfyUI's Attention also a clone of v; the twin's does not) while
+        # the override exchanges heads
+        held = h + s * 3 * dims.inner * e + (0 if kernels.mlp == "twin" else s * dims.inner * e)
+        # the override's buffers: its heads over all rows, its output rows, the returned pieces
+        buffers = dest + s * dims.inner * e + s * (heads - head_counts[k]) * d * e
+        projecting = h + qkv  # qkv_proj writes while h exists
+        gathering = held + buffers + pieces
+        attending = held + buffers + seq_len * g * d * e + g * seq_len * block_sizing.LSE_BYTES
         attention_phase = max(projecting, gathering, attending)
         mlp = block_sizing.mlp_phase_peak_bytes(s, dims, ffn_chunk=ffn_chunk, adapters=adapters,
-                                                kernels=kernels, chunked_block=True) - s * c * e
+                                                kernels=kernels) - s * c * e
         out.append(DeviceMemory(residual, attention_phase, mlp))
     return out
 

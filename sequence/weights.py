@@ -1,12 +1,17 @@
 """The DiT blocks' weights on a helper GPU: a resident replica, or a slot ring streamed from host.
 
-The sequence mode runs each block's own module code on every GPU, so a helper needs the block's
-tensors on its device. The module objects stay the root's (state-dict keys, LoRA patching,
-bypass adapters and ComfyUI's weight casts keep working); while the host queues a helper's
-kernels, the block's tensors are pointed at the helper's copy (`BlockWeights.swap_in`: `.data`
-of plain tensors, a wrapper on the helper's device for quantized ones, as the prefetcher binds
-its slots) and pointed back right after. Queued kernels hold their own pointers, so swapping
-back never disturbs them.
+The fallback for models ComfyUI cannot clone per GPU (a loader without a reload factory, the
+twin, a release without multi-GPU clones: `comfy_clones.clone_refusal`); otherwise each helper
+runs a ComfyUI-managed clone and nothing here is used.
+
+Each helper share runs upstream's block forward on a module copy of its own (`ModuleCopy`: the
+block's module tree copied, its tensors shared at first), whose parameter and buffer tables are
+pointed at the helper's copy of the weights (a new tensor object per entry, a wrapper on the
+helper's device for quantized ones). The root's modules and tensors are never touched, so the
+root share runs the same block on its own thread at the same time. What is attached to the
+root's modules when the copy is made (bypass adapters, an installed forward) is copied with
+them, bound to the copy; adapter tensors stay where they are (a GPU root's adapters make the
+helper fail and the step fall back to one GPU: the status line names this binding).
 
 Two sources:
 - `replica`: one flat buffer per block on the helper (the `offload.weights` layout), filled from
@@ -25,6 +30,9 @@ block. `close()` frees every buffer.
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,14 +42,14 @@ from ..guard.device import device_context
 from ..offload.arena import HostArena, HostBuffer
 from ..offload.engine import make_engine
 from ..offload.slots import SlotRing
-from ..offload.weights import BlockWeights, leaves_of
+from ..offload.weights import PLAIN, BlockWeights, device_wrapper, is_quantized, leaves_of
 
 REPLICA = "replica"
 STREAM = "stream"
 
 
 class HelperWeights:
-    """Block weights on one helper device; `use(i)` binds block i's module to them."""
+    """Block weights on one helper device; `use(i)` yields block i's module copy bound to them."""
 
     def __init__(self, device: torch.device, blocks: list[torch.nn.Module], mode: str, *,
                  lookahead: int = 2, pinned_budget_bytes: int | None = None):
@@ -52,6 +60,7 @@ class HelperWeights:
         self.mode = mode
         self.lookahead = max(1, lookahead)
         self.weights = [BlockWeights(f"blocks.{i}", m) for i, m in enumerate(blocks)]
+        self.modules: list[ModuleCopy] = []  # made at `refresh`, from the root's blocks then
         self._signature: Any = None
         # replica
         self.replica: list[torch.Tensor | None] = [None] * len(blocks)
@@ -107,6 +116,8 @@ class HelperWeights:
             self._fill_replica()
         else:
             self._reset_stream(prefetch)
+        # copies of what the root's blocks are now (adapters injected at load included)
+        self.modules = [ModuleCopy(block) for block in self.blocks]
         self._signature = signature
         self.refreshes += 1
         return True
@@ -145,17 +156,11 @@ class HelperWeights:
 
     # ------------------------------------------------------------------ use
     @contextlib.contextmanager
-    def use(self, index: int) -> Iterator[None]:
-        """Block `index`'s tensors point at this helper's copy inside (host side only)."""
-        flat = self._flat(index)
-        weights = self.weights[index]
-        # offload's binding: quantized tensors report the helper's device while bound (a
-        # wrapper built there), so ComfyUI's cast does not copy them to it on every call
-        saved = weights.swap_in(flat)
-        try:
-            yield
-        finally:
-            weights.restore(saved)
+    def use(self, index: int) -> Iterator[torch.nn.Module]:
+        """Block `index`'s module copy, bound to this helper's copy of its weights."""
+        module = self.modules[index]
+        module.bind(self._flat(index))
+        yield module.module
 
     def begin(self, index: int) -> None:
         """Before block `index`'s first helper kernel: its copy is in a slot (stream mode)."""
@@ -238,6 +243,7 @@ class HelperWeights:
 
     def close(self) -> None:
         self._drain()
+        self.modules = []
         self.replica = [None] * len(self.blocks)
         for weights in self.weights:
             weights.forget_views()
@@ -265,3 +271,68 @@ def choose_mode(requested: str, device: torch.device, weights_bytes: int, reserv
                     f"free beside {reserve_bytes / gib:.1f} GiB of activations: streamed")
 
 
+
+
+class ModuleCopy:
+    """A copy of a block's module tree for one helper, its tables bound to flat buffers.
+
+    The copy starts with the root's tensor objects (nothing is duplicated); `bind` replaces
+    each table entry of the copy by a new object on the buffer's views (a plain tensor, or a
+    quantized wrapper reporting the buffer's device so ComfyUI's cast does not move it), never
+    changing an object the root holds. Bound objects are kept per buffer and reused."""
+
+    def __init__(self, block: torch.nn.Module):
+        self.module = copy.deepcopy(block, _shared_memo(block))
+        self.weights = BlockWeights("copy", self.module)
+        self.originals = [ref.current() for ref in self.weights.refs]
+        self._bound: dict[int, list[torch.Tensor]] = {}
+        self._current: int | None = None
+
+    def bind(self, flat_u8: torch.Tensor) -> None:
+        key = flat_u8.data_ptr()
+        if key == self._current:
+            return
+        objects = self._bound.get(key)
+        if objects is None:
+            objects = []
+            for tensor, views in zip(self.originals, self.weights.views(flat_u8), strict=True):
+                if is_quantized(tensor):
+                    objects.append(device_wrapper(tensor, views))
+                elif isinstance(tensor, torch.nn.Parameter):
+                    objects.append(torch.nn.Parameter(views[PLAIN], requires_grad=False))
+                else:
+                    objects.append(views[PLAIN])
+            self._bound[key] = objects
+        for ref, obj in zip(self.weights.refs, objects, strict=True):
+            table = ref.owner._buffers if ref.is_buffer else ref.owner._parameters
+            table[ref.name] = obj
+        self._current = key
+
+
+_SHARED = (torch.Tensor, types.ModuleType, type(threading.Lock()), type(threading.RLock()))
+
+
+def _shared_memo(root: Any, limit: int = 100_000) -> dict[int, Any]:
+    """A deepcopy memo that shares, instead of copying, every tensor (the copy's tables are
+    rebound, see `bind`) and every Python module or lock reachable from `root` (an installed
+    forward may hold them; they cannot be copied)."""
+    memo: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack and len(seen) < limit:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, _SHARED):
+            memo[id(obj)] = obj
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.FunctionType)):
+            stack.extend(vars(obj).values())
+    return memo

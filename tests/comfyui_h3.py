@@ -350,7 +350,10 @@ def _lowvram_budget(patcher, budget_bytes: int):
     unload_all()
 
     def model_load(self, lowvram_model_memory=0, force_patch_weights=False):
-        if self.model is patcher or self.model.is_clone(patcher):
+        # clones of the model, and ComfyUI's per-GPU deepclones of it (the sequence mode's
+        # helpers keep its clone_base_uuid): every device loads the same modules partially
+        if self.model is patcher or self.model.is_clone(patcher) or \
+                getattr(self.model, "clone_base_uuid", None) == patcher.clone_base_uuid:
             lowvram_model_memory = max(1, int(budget_bytes))
         return original(self, lowvram_model_memory, force_patch_weights=force_patch_weights)
 

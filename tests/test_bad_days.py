@@ -111,6 +111,18 @@ def test_the_oom_message_keeps_torchs_text_first_and_says_what_to_change():
     assert "h3-multigpu plan --gpus auto --width 1312 --height 736 --frames 362" in text
 
 
+def test_the_oom_message_names_a_capped_cards_allowance():
+    """Under a per-process memory fraction (a smaller card emulated, or a user's cap) the
+    allowance ran out, not the card: the message says both (as torch does)."""
+    ctx = oom.RunContext(device="cuda:0", steps=1, done=0, latent_thw=(357, 46, 82), audio_t=10)
+    exc = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 4.55 GiB. GPU 0 has a total capacity of 139.80 GiB"
+        " of which 108.65 GiB is free. Including non-PyTorch memory, this process has 31.11 GiB "
+        "memory in use. 32.00 GiB allowed; Of the allocated memory 25.51 GiB is allocated")
+    text = oom.oom_message(exc, ctx, oom.PackMemory())
+    assert "out of memory on gpu:0 (32.00 GiB allowed of 139.80 GiB) at sampling step 1" in text
+
+
 def test_oom_detection_and_the_guards_place_among_the_wrappers():
     assert oom.is_oom(torch.OutOfMemoryError("x"))
     assert oom.is_oom(RuntimeError("HIP out of memory"))

@@ -90,8 +90,10 @@ def test_twin_output_is_bit_identical(monkeypatch, devices, split, chunk_heads, 
     reference = TwinPatcher(model).apply_model(*inputs)
     seq_len = 16 + 2 * audio_t + t * (h // 2) * (w // 2)
 
-    attended = Counter(monkeypatch, SequenceRunner, "_attend",
-                       lambda ops, attn, buf, g, to: (buf.shape[0], g))
+    attended = Counter(monkeypatch, runner_module.ShareAttention, "_attend",
+                       lambda self, func, q, k, v, g, kw: (q.shape[2], g))
+    forwards = Counter(monkeypatch, twin_model.DiTBlock, "forward",
+                       lambda block, x, *a, **kw: (id(block), x.shape[0]))
     scatters = Counter(monkeypatch, SequenceRunner, "scatter")
     gathers = Counter(monkeypatch, SequenceRunner, "gather")
     patched = on_cpu(TwinPatcher(model), devices, split=split, chunk_heads=chunk_heads,
@@ -105,6 +107,12 @@ def test_twin_output_is_bit_identical(monkeypatch, devices, split, chunk_heads, 
     per_block = sorted((seq_len, h1 - h0) for cs in chunks for h0, h1 in cs)
     assert sorted(attended.calls) == sorted(per_block * 2 * cfg.blocks)
     assert sum(g for _, g in per_block) == heads
+    # upstream's block forward ran once per share per block, on that share's rows, each
+    # helper on a module of its own (never the root's)
+    shares = [b - a for a, b in mode.split.rows_for(seq_len)]
+    assert sorted(rows for _, rows in forwards.calls) == sorted(shares * 2 * cfg.blocks)
+    root_blocks = {id(b) for b in model.blocks}
+    assert sum(block in root_blocks for block, _ in forwards.calls) == 2 * cfg.blocks
     # the residual stream stayed split across the block loop: one scatter, one gather per step
     assert len(scatters.calls) == 2 and len(gathers.calls) == 2
     links = mode.runner.links
@@ -156,8 +164,8 @@ def test_per_token_modulation_rows_and_segments_are_remapped():
     for weights, chunk in (((1.0, 1.0), 1), ((1.0, 0.5), 2), ((2.0, 1.0, 1.0), 1)):
         split = SequenceSplit.weighted((CPU,) * len(weights), cfg.heads, weights,
                                        chunk_heads=chunk)
-        runner = SequenceRunner(split, runner_module.TransportMode.PEER,
-                                {k: _replica(block, k) for k in range(1, len(weights))})
+        runner = SequenceRunner(split, runner_module.TransportMode.PEER)
+        helpers = [_replica(block) for _ in range(1, len(weights))]
         h = x.clone()
         state = runner.scatter(h, t_emb, rope, segments)
         # the per-token rows were cut at every share boundary and each share re-based to 0
@@ -166,15 +174,30 @@ def test_per_token_modulation_rows_and_segments_are_remapped():
         cut = [seg[2] for share in state.shares for seg in share.segments
                if isinstance(seg[2], torch.Tensor)]
         assert sum(len(t) for t in cut) == 57 and len(cut) == len(weights)
-        runner.run_block(state, 0, block, {})
+        runner.run_block(state, block_calls(block, helpers), {}, [block] * len(weights))
         runner.gather(state)
+        runner.close()
         assert torch.equal(h, reference)
 
 
-def _replica(block, k):
+def _replica(block):
     weights = HelperWeights(CPU, [block], REPLICA)
     weights.refresh(None, None)
     return weights
+
+
+def block_calls(block, helpers):
+    """Share calls for `SequenceRunner.run_block`: the root's block, then each helper's copy."""
+    def root(x, t_emb, segments, rope, options):
+        return block(x, t_emb, segments, rope, transformer_options=options)
+
+    def helper(weights):
+        def call(x, t_emb, segments, rope, options):
+            with weights.use(0) as module:
+                return module(x, t_emb, segments, rope, transformer_options=options)
+        return call
+
+    return [root] + [helper(w) for w in helpers]
 
 
 # ---------------------------------------------------------------------- mode choice, fallback
@@ -203,16 +226,16 @@ def test_helper_failure_runs_the_step_on_one_gpu_and_warns_once(monkeypatch, tin
                                                                  tiny_inputs, caplog):
     reference = TwinPatcher(tiny_twin).apply_model(*tiny_inputs)
     patched = on_cpu(TwinPatcher(tiny_twin))
-    original = SequenceRunner._attend
+    original = runner_module.ShareAttention._attend
     failures = []
 
-    def failing(ops, attn, buf, g, to):
-        if not failures:
+    def failing(self, func, q, k, v, g, kwargs):
+        if not failures and self.k == 1:
             failures.append(1)
             raise torch.OutOfMemoryError("helper out of memory (simulated)")
-        return original(ops, attn, buf, g, to)
+        return original(self, func, q, k, v, g, kwargs)
 
-    monkeypatch.setattr(SequenceRunner, "_attend", staticmethod(failing))
+    monkeypatch.setattr(runner_module.ShareAttention, "_attend", failing)
     caplog.set_level(logging.WARNING)
     assert same(patched.apply_model(*tiny_inputs), reference)
     assert same(patched.apply_model(*tiny_inputs), reference)
@@ -298,9 +321,6 @@ def test_foreign_patches_see_the_whole_residual_stream():
     assert mode.forward is None
 
 
-@pytest.mark.xfail(reason="chunking no longer patches the block forward the sequence runner "
-                          "looks for (block.__dict__['forward'].row_plan); the runner's rewrite "
-                          "to upstream's block makes the chunk wrappers run per share (seq21)")
 def test_activation_chunking_applies_per_share(monkeypatch, tiny_config, tiny_twin):
     from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
 
@@ -308,13 +328,20 @@ def test_activation_chunking_applies_per_share(monkeypatch, tiny_config, tiny_tw
     inputs = make_inputs(tiny_config, latent_t=3, latent_h=8, latent_w=10, audio_t=5, seed=1)
     config = ChunkingConfig(ffn_chunk=24, qkv_chunk=24)
     reference = TwinPatcher(tiny_twin).apply_model(*inputs)
-    chunk_calls = Counter(monkeypatch, runner_module, "row_chunks",
-                          lambda total, chunk, floor=None: (total, chunk))
-    for patched in (on_cpu(apply_activation_chunking(TwinPatcher(tiny_twin), config)),
-                    apply_activation_chunking(on_cpu(TwinPatcher(tiny_twin)), config)):
-        assert same(patched.apply_model(*inputs), reference)
-    # out_proj and the MLP ran 24 rows at a time on each 43-row share
-    assert (43, 24) in chunk_calls.calls
+    rows = []
+    hooks = [block.mlp.fc1.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
+             for block in tiny_twin.blocks]
+    try:
+        for patched in (on_cpu(apply_activation_chunking(TwinPatcher(tiny_twin), config)),
+                        apply_activation_chunking(on_cpu(TwinPatcher(tiny_twin)), config)):
+            assert same(patched.apply_model(*inputs), reference)
+            assert get_sequence_parallel(patched).steps["sequence"] == 1
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # the MLP ran in row chunks inside each 43-row share (root and helper copy), both orders
+    blocks = len(tiny_twin.blocks)
+    assert len(rows) == 2 * 2 * 2 * blocks and max(rows) <= 24, rows
 
 
 @pytest.mark.parametrize("helper_weights", [REPLICA, STREAM])

@@ -36,7 +36,9 @@ from h3_multigpu.sequence import (
     apply_sequence_parallel,
     get_sequence_parallel,
 )
-from h3_multigpu.sequence.apply import DYNAMIC_VRAM_OFF
+from h3_multigpu.sequence.apply import COMFY_CLONES
+
+INTERRUPTED = "InterruptProcessingException"
 
 pytestmark = pytest.mark.comfyui
 
@@ -68,18 +70,52 @@ def _status(patcher) -> str:
     return patcher.model_options["transformer_options"]["h3_multigpu"]["sequence"]
 
 
+class BlockForwards:
+    """Counts calls of upstream's `DiTBlock.forward` (the class's: every model, every thread),
+    recording (module id, rows, device)."""
+
+    def __init__(self, monkeypatch):
+        import comfy.ldm.minimax.model as h3
+
+        self.calls: list[tuple[int, int, str]] = []
+        original = h3.DiTBlock.forward
+
+        def forward(block, x, *args, **kwargs):
+            self.calls.append((id(block), x.shape[0], str(x.device)))
+            return original(block, x, *args, **kwargs)
+
+        monkeypatch.setattr(h3.DiTBlock, "forward", forward)
+
+    def rows(self) -> list[int]:
+        return sorted(rows for _, rows, _ in self.calls)
+
+    def modules(self) -> int:
+        return len({block for block, _, _ in self.calls})
+
+
+def _shares(mode) -> list[int]:
+    (seq_len,) = mode.decisions
+    return [b - a for a, b in mode.split.rows_for(seq_len)]
+
+
 @pytest.mark.parametrize("config", CONFIGS + [INT8], ids=["curve", "full", "int8_convrot"])
 @pytest.mark.parametrize("conditioned", [False, True], ids=["plain", "keyframe+audio_mask"])
-def test_equals_comfyui_unpatched(config, conditioned):
+def test_equals_comfyui_unpatched(monkeypatch, config, conditioned):
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config, keyframe=conditioned, audio_mask=conditioned)
     base = run_like_sampler(patcher, inputs)
     split = _sequence(patcher)
+    forwards = BlockForwards(monkeypatch)
     with AttentionCounter() as calls:
         out = run_like_sampler(split, inputs)
     assert _same(base, out)
     mode = get_sequence_parallel(split)
     assert mode.steps["sequence"] == 1 and mode.blocks_run == config.blocks
+    # upstream's block forward ran once per share per block: the root's modules and the
+    # helper's ComfyUI clone (its own modules, a model ComfyUI loaded)
+    assert forwards.rows() == sorted(_shares(mode) * config.blocks)
+    assert forwards.modules() == 2 * config.blocks
+    assert COMFY_CLONES in _status(split)
     # ComfyUI's own attention function ran once per head chunk on each device, per block
     (seq_len,) = mode.decisions
     chunks = sum(len(mode.split.chunks_of(j, seq_len)) for j in range(2))
@@ -89,22 +125,25 @@ def test_equals_comfyui_unpatched(config, conditioned):
 
 
 @pytest.mark.parametrize("devices", [2, 3, 4])
-def test_two_three_and_four_devices_equal_unpatched(devices):
+@pytest.mark.parametrize("split", ["auto", "uneven"])
+@pytest.mark.parametrize("transport", ["peer", "host"])
+def test_two_three_and_four_devices_equal_unpatched(monkeypatch, devices, split, transport):
     config = WIDE[devices]
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config, latent_thw=LONGER, keyframe=True, audio_mask=True)
     base = run_like_sampler(patcher, inputs)
-    split = _sequence(patcher, devices)
-    with CallCounter(split) as counts:
-        out = run_like_sampler(split, inputs)
+    weights = "auto" if split == "auto" else ":".join(["1.3"] + ["1"] * (devices - 1))
+    split = _sequence(patcher, devices, split=weights, transport=transport)
+    forwards = BlockForwards(monkeypatch)
+    out = run_like_sampler(split, inputs)
     assert _same(base, out)
     mode = get_sequence_parallel(split)
     assert mode.steps["sequence"] == 1 and len(mode.devices) == devices
-    (seq_len,) = mode.decisions
-    shares = [b - a for a, b in mode.split.rows_for(seq_len)]
-    # every device ran the block's linears on its own rows: one call each per block
-    assert min(shares) >= 16 and counts.calls["mlp.fc1"] == devices * config.blocks
-    assert mode.blocks_run == config.blocks and mode.runner is None  # freed after sampling
+    shares = _shares(mode)
+    # every share ran upstream's block on its own rows, once per block, each its own module
+    assert min(shares) >= 16 and forwards.rows() == sorted(shares * config.blocks)
+    assert forwards.modules() == devices * config.blocks
+    assert mode.runner is None and len(mode.bases) == devices - 1  # buffers freed after
 
 
 def test_the_startup_flags_kernel_is_sharded():
@@ -170,7 +209,7 @@ def test_lora_on_off_on_reaches_the_helper(config, lowvram):
     assert get_sequence_parallel(split_lora).steps["sequence"] == 2
 
 
-def test_int8_bypass_lora_counts_what_upstream_computes():
+def test_int8_bypass_lora_counts_what_upstream_computes(monkeypatch):
     """A bypass LoRA on an INT8 ConvRot model: upstream's MLP runs fc2 inside
     `linear_input_act` (never `fc2.forward`), so fc2's adapter does not run unpatched; the split
     blocks compute the same (equal bits, no fc2 call) and the status says so, instead of
@@ -186,24 +225,27 @@ def test_int8_bypass_lora_counts_what_upstream_computes():
     with CallCounter(bypass) as unpatched:
         reference = run_like_sampler(bypass, inputs)
     split = _sequence(bypass)
+    forwards = BlockForwards(monkeypatch)
     with CallCounter(split) as counts:
         out = run_like_sampler(split, inputs)
     assert not _same(reference, base) and _same(out, reference)
+    mode = get_sequence_parallel(split)
+    # the adapters ran on the root's modules and on the helper clone's own, rebuilt for it
+    # (without them the helper's rows would differ from `reference`)
     assert bypass_adapted_modules(split) == 4 * (INT8.blocks + INT8.refiner_blocks)
     assert unpatched.calls["mlp.fc2"] == counts.calls["mlp.fc2"] == 0
-    assert counts.calls["mlp.fc1"] == 2 * INT8.blocks  # one call per device share
-    mode = get_sequence_parallel(split)
+    assert counts.calls["mlp.fc1"] == INT8.blocks  # the root's share; the helper's below
+    assert forwards.modules() == 2 * INT8.blocks
     assert mode.steps["sequence"] == 1
     assert "fc2's on-activation LoRA does not run" in _status(split)
 
 
 @pytest.mark.parametrize("with_dual_sage", [False, True], ids=["alone", "with_dual_sage"])
-def test_under_dynamic_vram_the_mode_stays_off_and_says_why(with_dual_sage):
-    """Under DynamicVRAM the helper weights would copy each module's unpatched host `weight`
-    and its linears take ComfyUI's VBAR cast bound to the root (see the xfail GPU test): the
-    mode stays off, each step runs on Dual-Sage's heads (when applied) or one device, exact,
-    and the status says why. The patcher ComfyUI's loader returns then is a
-    ModelPatcherDynamic, which exists on GPUs only: `is_dynamic()` stands in for it here."""
+def test_under_dynamic_vram_the_helpers_are_comfyui_clones(monkeypatch, with_dual_sage):
+    """Under DynamicVRAM the helpers are ComfyUI's own clones (ModelPatcherDynamic there, its
+    VBARs and op-time LoRA): the mode runs, exact, LoRA included, and says so. The patcher
+    ComfyUI's loader returns then is a ModelPatcherDynamic, which exists on GPUs only:
+    `is_dynamic()` stands in for it here (the GPU test runs the real one)."""
     from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage
 
     config = CONFIGS[0]
@@ -217,18 +259,110 @@ def test_under_dynamic_vram_the_mode_stays_off_and_says_why(with_dual_sage):
         dynamic = apply_dual_sage(dynamic, DualSageConfig(helpers=("cpu",), min_tokens=0))
         dynamic.is_dynamic = lambda: True
     split = _sequence(dynamic)
+    forwards = BlockForwards(monkeypatch)
     out = run_like_sampler(split, inputs)
     assert _same(out, reference)
     mode = get_sequence_parallel(split)
-    assert mode.steps["sequence"] == 0 and mode.blocks_run == 0 and mode.runner is None
-    assert mode.steps["heads" if with_dual_sage else "off"] == 1
-    assert _status(split).startswith(DYNAMIC_VRAM_OFF)
-    assert _status(split).startswith("off: under DynamicVRAM the helper weights need "
-                                     "ComfyUI-managed clones (not yet)")
+    assert mode.dynamic_vram and mode.steps["sequence"] == 1
+    assert mode.blocks_run == config.blocks and forwards.modules() == 2 * config.blocks
+    assert f"{COMFY_CLONES}, under DynamicVRAM" in _status(split)
     if with_dual_sage:
         shard = split.model_options["transformer_options"]["optimized_attention_override"]
-        assert shard.sharded.routes["split"] == config.blocks  # Dual-Sage took the steps
+        assert shard.sharded.routes.get("split", 0) == 0  # sequence took the step
     unload_all()
+
+
+class Boom(Exception):
+    """An error no fallback catches: it must reach the caller, every share released."""
+
+
+@pytest.mark.parametrize("share", [0, 1], ids=["root_share", "helper_share"])
+def test_an_error_in_one_share_releases_the_others_and_the_next_run_is_exact(monkeypatch,
+                                                                             share):
+    import comfy.ldm.minimax.model as h3
+
+    config = WIDE[3]
+    patcher = make_tiny_h3(config, seed=0)
+    inputs = make_inputs(config, latent_thw=LONGER, keyframe=True, audio_mask=True)
+    base = run_like_sampler(patcher, inputs)
+    split = _sequence(patcher, 3, timeout_s=60.0)
+    mode = get_sequence_parallel(split)
+    original = h3.MLP.forward
+    raised = []
+
+    def mlp(module, x):  # the second block's MLP of one share (after its attention exchange)
+        if not raised and mode.decisions and x.shape[0] == _shares(mode)[share] and \
+                len(calls) >= 3 + share:
+            raised.append(share)
+            raise Boom(f"share {share}")
+        calls.append(x.shape[0])
+        return original(module, x)
+
+    calls: list[int] = []
+    monkeypatch.setattr(h3.MLP, "forward", mlp)
+    with pytest.raises(Boom, match=f"share {share}"):
+        run_like_sampler(split, inputs)
+    assert raised == [share] and mode.steps["fallback"] == 0
+    monkeypatch.setattr(h3.MLP, "forward", original)
+    assert _same(run_like_sampler(split, inputs), base)
+    assert mode.steps["sequence"] == 2
+
+
+def test_a_runtime_error_in_a_helper_falls_back_to_one_device_exactly(monkeypatch):
+    import comfy.ldm.minimax.model as h3
+
+    config = WIDE[2]
+    patcher = make_tiny_h3(config, seed=0)
+    inputs = make_inputs(config, latent_thw=LONGER)
+    base = run_like_sampler(patcher, inputs)
+    split = _sequence(patcher)
+    mode = get_sequence_parallel(split)
+    original = h3.DiTBlock.forward
+    helpers = set()
+
+    def forward(block, x, *args, **kwargs):
+        if block not in patcher.model.diffusion_model.blocks and not helpers:
+            helpers.add(block)
+            raise torch.OutOfMemoryError("helper out of memory (simulated)")
+        return original(block, x, *args, **kwargs)
+
+    monkeypatch.setattr(h3.DiTBlock, "forward", forward)
+    assert _same(run_like_sampler(split, inputs), base)
+    assert helpers and mode.steps["fallback"] == 1 and mode.steps["off"] == 1
+
+
+def test_comfyui_interrupt_mid_block_releases_every_share(monkeypatch):
+    """ComfyUI's interrupt flag set inside one share's block: every share leaves at its next
+    rendezvous, ComfyUI's InterruptProcessingException reaches the caller (flag cleared, as
+    ComfyUI's own check does), and the next run is exact."""
+    import comfy.ldm.minimax.model as h3
+    import comfy.model_management as mm
+
+    config = WIDE[3]
+    patcher = make_tiny_h3(config, seed=0)
+    inputs = make_inputs(config, latent_thw=LONGER, keyframe=True, audio_mask=True)
+    base = run_like_sampler(patcher, inputs)
+    split = _sequence(patcher, 3, timeout_s=60.0)
+    mode = get_sequence_parallel(split)
+    original = h3.Attention.forward
+    flagged = []
+
+    def attention(module, x, *args, **kwargs):  # a helper share, before its head exchange
+        if not flagged and all(module is not m for m in patcher.model.diffusion_model.modules()):
+            flagged.append(1)
+            mm.interrupt_current_processing(True)
+        return original(module, x, *args, **kwargs)
+
+    monkeypatch.setattr(h3.Attention, "forward", attention)
+    with pytest.raises(mm.InterruptProcessingException):
+        run_like_sampler(split, inputs)
+    assert flagged and not mm.processing_interrupted() and mode.steps["fallback"] == 0
+    assert mode.steps["sequence"] == 1 and mode.blocks_run == 0  # left inside the first block
+    workers = [w for w in mode.runner.workers if w is not None] if mode.runner else []
+    assert not any(w.busy for w in workers)
+    monkeypatch.setattr(h3.Attention, "forward", original)
+    assert _same(run_like_sampler(split, inputs), base)
+    assert mode.steps["sequence"] == 2
 
 
 @pytest.mark.parametrize("order", ["sequence_last", "sequence_first"])
@@ -256,5 +390,8 @@ def test_composed_with_dual_sage_and_chunking(order):
     assert mode.steps["sequence"] == 1  # sequence took the step; Dual-Sage stood aside
     shard = patched.model_options["transformer_options"]["optimized_attention_override"]
     assert shard.sharded.routes.get("split", 0) == 0
-    # chunking ran inside each 45-row share (S = 90 with the keyframe): 23 + 22 rows
-    assert counts.calls["mlp.fc1"] == 2 * 2 * config.blocks
+    # chunking ran inside the root's 45-row share (S = 90 with the keyframe): 23 + 22 rows;
+    # its block forward holds the root's modules, so the helper clone runs upstream's plain
+    # block (the status says so) until chunking can rebind to a clone's modules
+    assert counts.calls["mlp.fc1"] == 2 * config.blocks
+    assert any("run without 2 object patch(es)" in note for note in mode.notes)

@@ -1,15 +1,13 @@
-"""The sequence mode under ComfyUI's DynamicVRAM (comfy-aimdo), on real GPUs.
+"""The sequence mode on real GPUs with ComfyUI-managed helper clones, legacy loader and DynamicVRAM.
 
 Under DynamicVRAM ComfyUI's loader returns a `ModelPatcherDynamic`: weights stay on the host,
-each module gets a VBAR allocation (`m._v`) and is cast at op time (`comfy.ops.cast_bias_weight`
-takes the VBAR branch when `hasattr(s, "_v")`), and a LoRA is a LowVramPatch applied in that
-cast. The sequence mode's helper weights copy each module's `weight` (there: the unpatched host
-tensor, so the LoRA is lost) and its helper linears would take the VBAR branch bound to the
-root's allocation. Until the helpers are ComfyUI-managed clones the mode stays off there:
-`test_under_dynamic_vram_the_mode_falls_back` proves it on the GPU; the strict xfail documents
-the wrong result it avoids (forced on, it must not equal unpatched ComfyUI).
+each module gets a VBAR allocation and is cast at op time, and a LoRA is a LowVramPatch applied
+in that cast. The helper is ComfyUI's own clone of the model (`deepclone_multigpu`, matched to
+the run's patcher, loaded by `load_models_gpu` as an additional model), so all of that is
+ComfyUI's on the helper too. One H200 proves the plumbing (the helper is a second clone on the
+same GPU: `same_gpu`); two GPUs run it for real.
 
-    COMFYUI_PATH=/path/to/ComfyUI python -m pytest -m "comfyui and multi_gpu" -o addopts="" \
+    COMFYUI_PATH=/path/to/ComfyUI python -m pytest -m "comfyui and gpu" -o addopts="" \
         tests/test_sequence_dynamic_gpu.py
 """
 
@@ -35,11 +33,11 @@ from h3_multigpu.sequence import (
 )
 from h3_multigpu.sequence import apply as sequence_apply
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.multi_gpu]
+pytestmark = [pytest.mark.comfyui, pytest.mark.gpu]
 
 CONFIG = TinyH3Config(hidden=1024, heads=8, head_dim=128, ffn=2048, blocks=2, refiner_blocks=1,
                       dtype=torch.bfloat16)
-LATENT = (13, 32, 32)  # ~3.4k rows
+LATENT = (17, 48, 48)  # ~9.9k rows: shares above the 4,096-row GPU floor (bf16)
 ROOT, HELPER = torch.device("cuda", 0), torch.device("cuda", 1)
 _AIMDO: dict[str, bool] = {}
 
@@ -89,37 +87,50 @@ def _models():
     return lora, inputs
 
 
-def _split(patcher):
+def _split(patcher, helper=HELPER):
     return apply_sequence_parallel(patcher, SequenceParallelConfig(
-        parallel="sequence", helpers=(str(HELPER),)))
+        parallel="sequence", helpers=(str(helper),)))
 
 
-def test_under_dynamic_vram_the_mode_falls_back(dynamic_vram):
-    lora, inputs = _models()
-    with torch.cuda.device(ROOT):
-        reference = run_like_sampler(lora, inputs)
-        split = _split(lora)
-        out = run_like_sampler(split, inputs)
+def _same_gpu_split(patcher, monkeypatch):
+    """The helper share on a second ComfyUI clone on the root's own GPU (plumbing only)."""
+    monkeypatch.setattr(sequence_apply, "resolve_devices", lambda root, helpers: [root, root])
+    return apply_sequence_parallel(patcher, SequenceParallelConfig(parallel="sequence"))
+
+
+def _check(split, lora, inputs):
+    reference = run_like_sampler(lora, inputs)
+    out = run_like_sampler(split, inputs)
     assert _same(out, reference)
     mode = get_sequence_parallel(split)
-    assert mode.steps["sequence"] == 0 and mode.steps["off"] == 1 and mode.blocks_run == 0
+    assert mode.steps["sequence"] == 1 and mode.steps["fallback"] == 0, mode.steps
+    assert mode.blocks_run == CONFIG.blocks and len(mode.bases) == 1
     line = split.model_options["transformer_options"]["h3_multigpu"]["sequence"]
-    assert line.startswith("off: under DynamicVRAM the helper weights need ComfyUI-managed "
-                           "clones (not yet)"), line
+    assert sequence_apply.COMFY_CLONES in line, line
+    return mode
 
 
-@pytest.mark.xfail(strict=True, reason="under DynamicVRAM the helper weights copy the module's "
-                   "unpatched host weight (the LoRA is a LowVramPatch applied in ComfyUI's VBAR "
-                   "cast) and the helper linears take that VBAR cast bound to the root: wrong "
-                   "result or a device error; why the mode stays off there")
-def test_forced_on_under_dynamic_vram_it_would_be_wrong(dynamic_vram, monkeypatch):
+@pytest.mark.multi_gpu
+def test_under_dynamic_vram_the_helper_is_comfys_clone(dynamic_vram):
     lora, inputs = _models()
-    monkeypatch.setattr(sequence_apply, "under_dynamic_vram", lambda patcher: False)
     with torch.cuda.device(ROOT):
-        reference = run_like_sampler(lora, inputs)
-        split = _split(lora)
-        out = run_like_sampler(split, inputs)
-    steps = get_sequence_parallel(split).steps
-    # it did run split (a helper error falls back to one GPU: that is the wrong binding too)
-    assert steps["sequence"] == 1 and steps["fallback"] == 0, steps
-    assert _same(out, reference)
+        mode = _check(_split(lora), lora, inputs)
+    assert mode.dynamic_vram
+    (base,) = mode.bases.values()
+    assert base.is_dynamic() and base.load_device == HELPER
+
+
+@pytest.mark.parametrize("loader", ["legacy", "dynamic"])
+def test_one_gpu_helper_clone_plumbing(request, monkeypatch, loader):
+    if loader == "dynamic":
+        request.getfixturevalue("dynamic_vram")
+    else:
+        import_comfyui_or_skip()
+        unload_all()
+    patcher = make_tiny_h3(CONFIG, seed=0, load_device=ROOT)
+    assert patcher.is_dynamic() == (loader == "dynamic"), type(patcher).__name__
+    lora = with_lora(patcher, make_lora_state_dict(patcher, rank=8, seed=3))
+    inputs = make_inputs(CONFIG, latent_thw=LATENT, keyframe=True, audio_mask=True)
+    with torch.cuda.device(ROOT):
+        _check(_same_gpu_split(lora, monkeypatch), lora, inputs)
+    unload_all()

@@ -10,6 +10,7 @@ garbage collector. Single-threaded, like tests/test_sequence.py.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import weakref
@@ -22,11 +23,12 @@ from torch.utils._pytree import tree_flatten
 from h3_multigpu.chunking import exact_rows
 from h3_multigpu.sequence import (
     SequenceParallelConfig,
-    SequenceRunner,
     apply_sequence_parallel,
     get_sequence_parallel,
 )
 from h3_multigpu.sequence import apply as sequence_apply
+from h3_multigpu.sequence import runner as runner_module
+from h3_multigpu.sequence import threads as threads_module
 from h3_multigpu.twin import TwinPatcher, make_twin
 from h3_multigpu.twin.adapters import attach_activation_lora
 
@@ -133,15 +135,15 @@ class _Allocations(TorchDispatchMode):
 def test_release_drops_every_tensor_the_split_steps_made(monkeypatch, tiny_twin, tiny_inputs,
                                                          case):
     if case == "helper failure":
-        original, failed = SequenceRunner._attend, []
+        original, failed = runner_module.ShareAttention._attend, []
 
-        def failing(ops, attn, buf, g, to):
-            if not failed:
+        def failing(self, func, q, k, v, g, kwargs):
+            if not failed and self.k == 1:
                 failed.append(1)
                 raise torch.OutOfMemoryError("helper out of memory (simulated)")
-            return original(ops, attn, buf, g, to)
+            return original(self, func, q, k, v, g, kwargs)
 
-        monkeypatch.setattr(SequenceRunner, "_attend", staticmethod(failing))
+        monkeypatch.setattr(runner_module.ShareAttention, "_attend", failing)
         monkeypatch.setattr(sequence_apply, "_warned", set())  # other tests' warnings stay
     patched = _split(tiny_twin)
     mode = get_sequence_parallel(patched)
@@ -149,6 +151,14 @@ def test_release_drops_every_tensor_the_split_steps_made(monkeypatch, tiny_twin,
     gc.disable()  # what stays alive must be freed by release itself, not by a later collection
     try:
         tracked = _Allocations()
+        entered = threads_module.TorchState.entered
+
+        @contextlib.contextmanager
+        def tracking(state, device):  # the mode is thread-local: each share's thread too
+            with entered(state, device), tracked:
+                yield
+
+        monkeypatch.setattr(threads_module.TorchState, "entered", tracking)
         with tracked:
             for _ in range(2):
                 out = patched.apply_model(*tiny_inputs)

@@ -1,7 +1,7 @@
 """The functions an H3 block's own module calls, found at call time from that module.
 
-Moved here from chunking (which now wraps upstream's modules instead) for the sequence
-runner's block; it goes when the runner runs upstream's block itself.
+Kept for the old sequence runner (`legacy_sequence_runner`, timing only): chunking wraps
+upstream's modules instead and the sequence runner runs upstream's block.
 
 The chunked block forward must run the very kernels the unpatched block runs, so the result is
 bit-identical and every other hook still applies: the attention entry point the H3 module
@@ -21,10 +21,8 @@ from typing import Any
 
 import torch
 
-from ..chunking import formats as _formats
 from ..chunking.sizing import row_chunks
 from ..chunking.wrappers import project_rows as _project
-from ..comfy_seam.h3 import weight_format  # noqa: F401  (the sequence mode's import)
 
 
 class H3Ops:
@@ -80,31 +78,7 @@ class H3Ops:
         return fn(x, gate, other, segments)
 
 
-def block_adapter_ranks(block: torch.nn.Module, linears: dict[str, torch.nn.Module]
-                        ) -> dict[str, tuple[int, ...]]:
-    """`chunking.formats.block_adapter_ranks` (the block's own four linears)."""
-    return _formats.block_adapter_ranks(block)
-
-
-def skipped_adapter_note(block: torch.nn.Module, fc2: torch.nn.Module) -> str:
-    return _formats.skipped_adapter_note(block)
-
-
 def project_rows(linear: torch.nn.Module, x_SK: torch.Tensor, chunk: int,
                  floor: int | None = None) -> torch.Tensor:
     """linear(x) as [S, N], `chunk` rows at a time (`chunking.wrappers.project_rows`)."""
     return _project(linear, x_SK, row_chunks(x_SK.shape[0], chunk, floor))
-
-
-def clip_segments(segments: list, start: int, stop: int) -> list:
-    """Modulation segments of rows [start, stop), re-based to start at 0 (a per-token row
-    index tensor is sliced to the clipped rows)."""
-    out = []
-    for a, b, row in segments:
-        lo, hi = max(a, start), min(b, stop)
-        if lo >= hi:
-            continue
-        if isinstance(row, torch.Tensor) and row.ndim > 0:
-            row = row[lo - a:hi - a]
-        out.append((lo - start, hi - start, row))
-    return out

@@ -1,0 +1,230 @@
+"""Every ComfyUI internal the sequence mode uses, in one place (to move into the pack's seam).
+
+Checked on ComfyUI 0.33.0 (`/work/beds/comfyui-033`); the newest-files bed was not built when
+this was written, so each use is feature-detected and degrades as stated:
+
+- `ModelPatcher.deepclone_multigpu(new_load_device=)` (comfy/model_patcher.py): a fresh model
+  from the loader's `cached_patcher_init` factory, as ComfyUI's MultiGPU CFG Split builds its
+  per-GPU clones (comfy/multigpu.py `create_multigpu_deepclones`). Missing, or the model's
+  loader has no factory (`cached_patcher_init is None`): `clone_refusal` says so and the mode
+  binds the helper weights itself (`weights.py`).
+- `ModelPatcher.register_load_device(device)` (ModelPatcherDynamic, DynamicVRAM's per-device
+  pin bookkeeping; comfy_extras/nodes_multigpu.py calls it after retargeting): called when
+  present, as `deepclone_multigpu` itself does.
+- `ModelPatcher.clone(model_override=other.get_clone_model_override())`: what
+  `match_multigpu_clones` does before every sampling run, so a helper clone carries the root
+  patcher's weight patches (LoRA), injections (on-activation LoRA) and hook patches while
+  keeping its own model, backups and DynamicVRAM state.
+- `ModelPatcher.set_additional_models / get_additional_models_with_key /
+  remove_additional_models`: the helper clones ride as additional models under `CLONES_KEY`, so
+  `prepare_sampling` loads them (`get_nested_additional_models` -> `load_models_gpu`: LoRA
+  patching, lowvram, DynamicVRAM VBARs) and `cleanup_models` cleans them up. The key is ours,
+  not "multigpu": that one also switches on ComfyUI's CFG split (`is_multigpu_base_clone`).
+- `ModelPatcher.injections` / `PatcherInjection.inject`: the on-activation ("bypass") LoRA's
+  injection is bound to the root's modules; it is rebuilt for the clone through the
+  `BypassInjectionManager` in its closure (`_rebind_injections`), else left off and named.
+- `ModelPatcher.object_patches`: a helper clone would apply the root's object patches to its
+  own modules; one holding the root's module (the pack's chunked block forward) is rebound
+  through its `h3_multigpu_rebind(module)` when it has one, else left off (`match_clone`).
+- `comfy.model_management.current_loaded_models` and `free_memory(bytes, device, keep_loaded=)`:
+  frees a helper clone's device copy after sampling (`keep_weights` off), keeping every other
+  model (`unload_model_and_clones` would also unload the root: the clones share its
+  `clone_base_uuid`).
+- `comfy.model_management.processing_interrupted()` / `throw_exception_if_processing_interrupted()`
+  (raises `InterruptProcessingException`, a BaseException): the shares' rendezvous honours
+  ComfyUI's interrupt.
+- `comfy.model_management.in_training` and the block module's `AttentionTensorContainer`
+  (`in_training`, `container`).
+- `transformer_options["optimized_attention_override"]` (comfy/ldm/modules/attention.py
+  `wrap_attn`): called as `override(func, q, k, v, heads, **kwargs)` with the tensors taken out
+  of their containers unless the override has `container_function`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+CLONES_KEY = "h3_multigpu_sequence"  # additional-models key of the helper clones
+REBIND = "h3_multigpu_rebind"  # an object patch that can move to a helper clone's module
+
+
+def _model_management() -> Any:
+    try:
+        import comfy.model_management as mm
+    except ImportError:
+        return None
+    return mm
+
+
+def processing_interrupted() -> bool:
+    mm = _model_management()
+    check = getattr(mm, "processing_interrupted", None)
+    return bool(check()) if check is not None else False
+
+
+def raise_if_interrupted() -> None:
+    """ComfyUI's own check: clears the flag and raises InterruptProcessingException."""
+    mm = _model_management()
+    throw = getattr(mm, "throw_exception_if_processing_interrupted", None)
+    if throw is not None and mm.processing_interrupted():
+        throw()
+
+
+def clone_refusal(patcher: Any) -> str | None:
+    """Why ComfyUI cannot make a helper clone of this patcher (None: it can)."""
+    if not callable(getattr(patcher, "deepclone_multigpu", None)):
+        return "this ComfyUI has no multi-GPU clones (ModelPatcher.deepclone_multigpu)"
+    if getattr(patcher, "cached_patcher_init", None) is None:
+        return ("this model's loader registers no reload factory (cached_patcher_init); load it "
+                "with a core loader (UNETLoader, CheckpointLoaderSimple)")
+    return None
+
+
+def make_clone(patcher: Any, device: torch.device) -> Any:
+    """A ComfyUI-managed copy of the model for `device`, from the loader's factory."""
+    clone = patcher.deepclone_multigpu(new_load_device=device)
+    register = getattr(clone, "register_load_device", None)
+    if register is not None:
+        register(clone.load_device)
+    clone.remove_additional_models(CLONES_KEY)
+    return clone
+
+
+def match_clone(root: Any, base: Any) -> tuple[Any, list[str]]:
+    """A clone of `root` (its patches, injections, hooks, options) on `base`'s model and device,
+    as ComfyUI's `match_multigpu_clones`; returns it and the object patches left off."""
+    clone = root.clone(model_override=base.get_clone_model_override())
+    clone.load_device = base.load_device
+    clone.hook_backup = base.hook_backup
+    clone.remove_additional_models(CLONES_KEY)
+    clone.remove_additional_models("multigpu")
+    left_off = _rebind_injections(clone, base)
+    for key, value in list(clone.object_patches.items()):
+        if not key.startswith("diffusion_model.blocks."):
+            continue
+        rebind = getattr(value, REBIND, None)
+        owner = _owner(base.model, key)
+        if rebind is not None and owner is not None:
+            clone.object_patches[key] = rebind(owner)
+        else:
+            del clone.object_patches[key]
+            left_off.append(key)
+    return clone, left_off
+
+
+def _rebind_injections(clone: Any, base: Any) -> list[str]:
+    """The root's injections rebuilt for the clone's own modules; returns those left off.
+
+    ComfyUI builds an injection for one model: its on-activation ("bypass") LoRA's
+    `BypassInjectionManager.create_injections(model)` binds hooks to that model's modules
+    (comfy/weight_adapter/bypass.py, 0.33.0), and its `inject` moves the adapters' weights to
+    `get_torch_device()`, the current device. Copied as is, the clone would inject the root's
+    modules again. A manager found in the injection's closure is copied (its adapters too,
+    so each device holds its own weights), asked for the clone's injections, and those run
+    with the clone's device current. Any other injection is left off (and named)."""
+    left_off = []
+    for key, injections in list(clone.injections.items()):
+        rebuilt = []
+        for injection in injections:
+            manager = _closure_object(getattr(injection, "inject", None), "create_injections")
+            if manager is None:
+                left_off.append(f"injection {key}")
+                continue
+            mine = copy.copy(manager)
+            mine.hooks = []
+            mine.adapters = {k: (copy.copy(adapter), strength)
+                             for k, (adapter, strength) in manager.adapters.items()}
+            for new in mine.create_injections(base.model):
+                rebuilt.append(_on_device(new, base.load_device))
+        clone.injections[key] = rebuilt
+    return left_off
+
+
+def _closure_object(fn: Any, method: str) -> Any:
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(getattr(value, method, None)) and hasattr(value, "adapters"):
+            return value
+    return None
+
+
+def _on_device(injection: Any, device: torch.device) -> Any:
+    from ..guard.device import device_context
+
+    inject, eject = injection.inject, injection.eject
+
+    def inject_here(patcher: Any) -> Any:
+        with device_context(device):
+            return inject(patcher)
+
+    injection.inject, injection.eject = inject_here, eject
+    return injection
+
+
+def _owner(model: torch.nn.Module, key: str) -> Any:
+    """The module that `key` ("a.b.forward") patches an attribute of."""
+    obj: Any = model
+    for part in key.split(".")[:-1]:
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def set_clones(root: Any, clones: list[Any]) -> None:
+    root.set_additional_models(CLONES_KEY, clones)
+
+
+def pre_run(clone: Any) -> None:
+    run = getattr(clone, "pre_run", None)
+    if run is not None:
+        run()
+
+
+def cleanup(clone: Any) -> None:
+    clean = getattr(clone, "cleanup", None)
+    if clean is not None:
+        clean()
+
+
+def unload(clone: Any) -> None:
+    """ComfyUI unloads this clone's model from its device (weights unpatched), and nothing else
+    (`free_memory` on that device, every other loaded model kept)."""
+    mm = _model_management()
+    loaded = getattr(mm, "current_loaded_models", None)
+    free_memory = getattr(mm, "free_memory", None)
+    if loaded is None or free_memory is None:
+        return
+    keep = [m for m in loaded if m.model is not clone]
+    if len(keep) != len(loaded):
+        free_memory(1e30, clone.load_device, keep_loaded=keep)
+
+
+def diffusion_model(clone: Any) -> torch.nn.Module:
+    return clone.model.diffusion_model
+
+
+def container(block: torch.nn.Module) -> Any:
+    """The block module's `AttentionTensorContainer` constructor (what a preferred attention
+    takes; ComfyUI 0.33.0's attention module and the twin have it), else identity."""
+    import sys
+
+    cls = getattr(sys.modules[type(block).__module__], "AttentionTensorContainer", None)
+    return (lambda t: t) if cls is None else cls
+
+
+def in_training(block: torch.nn.Module) -> bool:
+    """ComfyUI's `model_management.in_training` (upstream's block then keeps autograd-friendly
+    out-of-place ops): the split runs inference only."""
+    import sys
+
+    module = sys.modules[type(block).__module__]
+    comfy = getattr(module, "comfy", None)
+    mm = getattr(comfy, "model_management", None) if comfy is not None else None
+    return bool(getattr(mm, "in_training", False))
