@@ -367,7 +367,7 @@ def test_comfyui_interrupt_mid_block_releases_every_share(monkeypatch):
 
 @pytest.mark.parametrize("order", ["sequence_last", "sequence_first"])
 def test_composed_with_dual_sage_and_chunking(order):
-    from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
+    from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking
     from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage
 
     config = WIDE[2]
@@ -388,10 +388,13 @@ def test_composed_with_dual_sage_and_chunking(order):
     assert _same(out, reference)
     mode = get_sequence_parallel(patched)
     assert mode.steps["sequence"] == 1  # sequence took the step; Dual-Sage stood aside
-    shard = patched.model_options["transformer_options"]["optimized_attention_override"]
-    assert shard.sharded.routes.get("split", 0) == 0
+    from h3_multigpu.dual_sage import get_sharded_attention
+
+    assert get_sharded_attention(patched).routes.get("split", 0) == 0
     # chunking ran inside the root's 45-row share (S = 90 with the keyframe): 23 + 22 rows;
-    # its block forward holds the root's modules, so the helper clone runs upstream's plain
-    # block (the status says so) until chunking can rebind to a clone's modules
+    # its wrappers go on the root's modules only (no object patch for the helper clone to
+    # miss), so the helper clone runs upstream's plain block on its share
     assert counts.calls["mlp.fc1"] == 2 * config.blocks
-    assert any("run without 2 object patch(es)" in note for note in mode.notes)
+    chunkers = get_chunking(patched).chunkers
+    assert sum(c.calls["mlp"] for c in chunkers.values()) == 2 * config.blocks
+    assert not any("object patch" in note for note in mode.notes)
