@@ -58,13 +58,16 @@ def _load_block(fmt: str, tiny: bool, device: torch.device, workdir: str):
     path = os.path.join(workdir, f"dit_{fmt}_{'tiny' if tiny else 'full'}.safetensors")
     if not os.path.exists(path):
         write_dit(path, shape, fmt, seed=0)
-    models = []
-    for _ in range(2):  # the root's and the "helper's" (a second ComfyUI-loaded model)
-        patcher = load_dit(path, dtype=torch.bfloat16, load_device=device)
-        import comfy.model_management as mm
+    import comfy.model_management as mm
 
-        mm.load_models_gpu([patcher], force_full_load=True)
-        models.append(patcher)
+    models = []
+    # ComfyUI loads and moves models inside inference mode (execution.py); its loaded weights
+    # are inference tensors that a move outside it cannot re-version
+    with torch.inference_mode():
+        for _ in range(2):  # the root's and the "helper's" (a second ComfyUI-loaded model)
+            patcher = load_dit(path, dtype=torch.bfloat16, load_device=device)
+            mm.load_models_gpu([patcher], force_full_load=True)
+            models.append(patcher)
     return models, shape
 
 
@@ -95,9 +98,11 @@ def _time(fn, iters: int, warmup: int, device: torch.device) -> list[float]:
 
 def bench_format(fmt: str, args, device: torch.device, workdir: str) -> dict:
     from h3_multigpu.exchange.transport import TransportMode
+    from h3_multigpu.sequence import split as sequence_split
     from h3_multigpu.sequence.runner import SequenceRunner
     from h3_multigpu.sequence.split import SequenceSplit
 
+    sequence_split.ALLOW_SHARED_GPU = True  # both shares on this one GPU (see the docstring)
     (root, helper), shape = _load_block(fmt, args.tiny, device, workdir)
     block = root.model.diffusion_model.blocks[0]
     helper_block = helper.model.diffusion_model.blocks[0]

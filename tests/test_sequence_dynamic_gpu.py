@@ -94,7 +94,10 @@ def _split(patcher, helper=HELPER):
 
 def _same_gpu_split(patcher, monkeypatch):
     """The helper share on a second ComfyUI clone on the root's own GPU (plumbing only)."""
+    from h3_multigpu.sequence import split as sequence_split
+
     monkeypatch.setattr(sequence_apply, "resolve_devices", lambda root, helpers: [root, root])
+    monkeypatch.setattr(sequence_split, "ALLOW_SHARED_GPU", True)
     return apply_sequence_parallel(patcher, SequenceParallelConfig(parallel="sequence"))
 
 
