@@ -186,3 +186,35 @@ def test_a_dynamic_patcher_placed_without_a_factory_keeps_working_on_its_new_gpu
     assert how.startswith("load_device set on a clone") and placed.is_dynamic()
     assert torch.device("cuda", 1) in placed.model.dynamic_pins
     assert placed.partially_unload_ram(1 << 20) == 0  # unfixed: KeyError cuda:1
+
+
+@pytest.mark.parametrize("lora", ["none", "weight", "bypass"])
+@pytest.mark.parametrize("cfg", [FLOAT, INT8], ids=["bf16", "int8_convrot"])
+def test_chunking_under_dynamic_vram_equals_unpatched(cfg, lora):
+    """DynamicVRAM casts each weight at op time from its VBAR (a LoRA is a LowVramPatch applied
+    there): the chunk wrappers run upstream's modules per chunk, so each chunk's call casts and
+    patches as the whole call would; the output is ComfyUI's own."""
+    from comfyui_h3 import make_lora_state_dict, with_bypass_lora, with_lora
+
+    from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking
+
+    base = make_tiny_h3(cfg, seed=0, load_device=DEV)
+    assert base.is_dynamic()
+    if lora != "none":
+        sd = make_lora_state_dict(base, rank=16, seed=3)
+        base = with_lora(base, sd) if lora == "weight" else with_bypass_lora(base, sd)
+    data = inputs(cfg)
+    ref = run_like_sampler(base, data, sigmas=SIGMAS)
+    # S = 64 text + 40 audio + 3 x 64 video + 64 keyframe rows: chunks of 1 (INT8) or 4096
+    # rows would not split; these explicit sizes do (the status says where they may differ)
+    chunked = apply_activation_chunking(base, ChunkingConfig(ffn_chunk=128, qkv_chunk=96,
+                                                             head_group=4))
+    out = run_like_sampler(chunked, data, sigmas=SIGMAS)
+    calls = sum(c.calls["mlp"] for c in get_chunking(chunked).chunkers.values())
+    assert calls > len(SIGMAS[:-1]) * cfg.blocks  # more than one chunk per block call
+    line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    if line.endswith("; exact"):
+        assert same(out, ref)
+    else:  # bf16 chunks below the GPU's floors: within bf16 rounding of the unchunked run
+        for a, b in zip(out, ref, strict=True):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2, line
