@@ -60,9 +60,17 @@ TOKENS = (
 # "dit" patch group is not searched for: the planner names its DiT component "dit".)
 
 
+def _in_checkout(parts: tuple[str, ...]) -> bool:
+    """Not in a hidden or virtual-environment folder a user or a tool puts beside the pack
+    (.venv, .carry, site-packages): those are not the pack's code."""
+    return not any(p.startswith(".") or p in ("site-packages", "venv", "node_modules")
+                   for p in parts[:-1])
+
+
 def product_files() -> list[Path]:
     return sorted(p for p in ROOT.rglob("*.py")
-                  if not (set(p.relative_to(ROOT).parts[:-1]) & NOT_PRODUCT)
+                  if _in_checkout(p.relative_to(ROOT).parts)
+                  and not (set(p.relative_to(ROOT).parts[:-1]) & NOT_PRODUCT)
                   and p.relative_to(ROOT).parts[0] not in NOT_PRODUCT)
 
 
