@@ -146,8 +146,11 @@ def main(argv=None) -> int:
         tiny = TinyH3Config(**shape, blocks=1, refiner_blocks=1, dtype=torch.bfloat16,
                             weights="float" if weights == "bf16" else weights)
         t0 = time.perf_counter()
-        patcher = make_tiny_h3(tiny, seed=0, load_device=device)
-        comfy.model_management.load_models_gpu([patcher])
+        # ComfyUI loads and moves models inside inference mode (execution.py); its weights are
+        # inference tensors that a move outside it cannot re-version
+        with torch.inference_mode():
+            patcher = make_tiny_h3(tiny, seed=0, load_device=device)
+            comfy.model_management.load_models_gpu([patcher])
         block = patcher.model.diffusion_model.blocks[0]
         load_s = time.perf_counter() - t0
         runtime = ChunkingRuntime()
