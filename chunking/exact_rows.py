@@ -28,8 +28,8 @@ The rule, in one place (chunking, the planner's predictions and `sequence/` all 
 A phase without a floor is not chunked unless memory requires it, and then the status says it
 may differ (`chunking.wrappers`); a sequence share without one makes the mode fall back.
 
-All of the above is for plain weights. The floors are per weight format (`h3_ops.weight_format`
-reads it off each linear's weight; `FORMAT_RULES` here):
+All of the above is for plain weights. The floors are per weight format
+(`comfy_seam.h3.weight_format` reads it off each linear's weight; `FORMAT_RULES` here):
 - INT8 ConvRot (`TensorWiseINT8Layout` with convrot) quantizes activations per row and
   accumulates in int32: on NVIDIA GPUs (comfy-kitchen's CUDA `int8_linear`) any row slice is
   bit-identical (the fused SwiGLU fc2 from 2 rows, measured on an H200), so neither the table

@@ -8,9 +8,10 @@ computes, op for op: in-place q/k RMSNorm + split-half RoPE on the qkv buffer, s
 `[1, H, S, D]` container views into `optimized_attention` with the module's preferred
 attention, per-segment AdaLN modulation and in-place gated residuals.
 
-The chunked block forward (`chunking/h3_ops.py`) looks up `optimized_attention`,
-`AttentionTensorContainer`, `rms_rope_split_half_`, `mod_scale_shift` and `mod_gate` on this
-module, as it looks up their upstream counterparts on ComfyUI's.
+The pack's chunking and sequence modes run this block's own forward (as they run upstream's)
+and change only on which rows its modules run; the old runner kept for timing in `bench/`
+(`bench/legacy_h3_ops.py`) looks up `optimized_attention`, `AttentionTensorContainer`,
+`rms_rope_split_half_`, `mod_scale_shift` and `mod_gate` on this module, as on ComfyUI's.
 
 Legend: S tokens of the packed sequence, C hidden width, H heads, D head dim, M timesteps.
 """
