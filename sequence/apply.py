@@ -14,7 +14,7 @@ Installs, on a clone of the patcher:
   the fallback: a helper failure (out of memory, a runtime error) re-runs that step on one GPU,
   with one warning.
 - an OUTER_SAMPLE wrapper: before ComfyUI prepares sampling, each helper's clone
-  (`comfy_clones`: made once with ComfyUI's `deepclone_multigpu`, then matched to this run's
+  (`comfy_seam.clones`: made once with ComfyUI's `deepclone_multigpu`, then matched to this run's
   patcher: its LoRA patches, injections and hooks) is handed to ComfyUI as an additional model,
   so ComfyUI loads it on the helper GPU (legacy loader or DynamicVRAM) and patches it; after
   sampling the helpers are unloaded (unless `keep_weights`), so the helper GPU is free for the
@@ -46,6 +46,7 @@ from ..chunking.formats import (
     linear_shape,
     skipped_adapter_note,
 )
+from ..comfy_seam import clones as comfy_clones
 from ..comfy_seam.h3 import weight_format
 from ..comfy_seam.memory import free_vram_bytes
 from ..comfy_seam.names import DIFFUSION_MODEL, ON_DETACH, OUTER_SAMPLE
@@ -54,7 +55,7 @@ from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
 from ..geometry import HEADS
-from . import comfy_clones, sizing
+from . import sizing
 from .runner import SequenceRunner, SplitState, device_current
 from .split import SequenceSplit
 from .threads import DEFAULT_TIMEOUT_S

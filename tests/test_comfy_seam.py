@@ -33,8 +33,6 @@ PENDING = {
                           '"double_block"', "model_options", '"optimized_attention_override"',
                           '["h3_multigpu"]'),
     "sequence/runner.py": ('"transformer_options"',),
-    # the helper clones (ComfyUI's deepclone_multigpu, object patches re-bound per clone)
-    "sequence/comfy_clones.py": ("object_patches", "comfy import"),
     "decode/executor.py": ('"decode_temporal"',),
     "decode/release.py": ('"decode_temporal"',),
 }

@@ -1,7 +1,7 @@
-"""Every ComfyUI internal the sequence mode uses, in one place (to move into the pack's seam).
+"""The sequence mode's helper clones: every ComfyUI internal they use, in the seam.
 
-Checked on ComfyUI 0.33.0 (`/work/beds/comfyui-033`); the newest-files bed was not built when
-this was written, so each use is feature-detected and degrades as stated:
+Checked on ComfyUI 0.33.0 and the newest-files bed (each listed in `internals.INTERNALS`, which
+a `comfyui` test resolves on each release); each use is feature-detected and degrades as stated:
 
 - `ModelPatcher.deepclone_multigpu(new_load_device=)` (comfy/model_patcher.py): a fresh model
   from the loader's `cached_patcher_init` factory, as ComfyUI's MultiGPU CFG Split builds its
@@ -10,7 +10,8 @@ this was written, so each use is feature-detected and degrades as stated:
   binds the helper weights itself (`weights.py`).
 - `ModelPatcher.register_load_device(device)` (ModelPatcherDynamic, DynamicVRAM's per-device
   pin bookkeeping; comfy_extras/nodes_multigpu.py calls it after retargeting): called when
-  present, as `deepclone_multigpu` itself does.
+  present, as `deepclone_multigpu` itself does (neither bed's ModelPatcher has it, so it is not
+  in `internals.INTERNALS`).
 - `ModelPatcher.clone(model_override=other.get_clone_model_override())`: what
   `match_multigpu_clones` does before every sampling run, so a helper clone carries the root
   patcher's weight patches (LoRA), injections (on-activation LoRA) and hook patches while
@@ -47,8 +48,7 @@ from typing import Any
 
 import torch
 
-CLONES_KEY = "h3_multigpu_sequence"  # additional-models key of the helper clones
-REBIND = "h3_multigpu_rebind"  # an object patch that can move to a helper clone's module
+from .names import CLONES_KEY, MULTIGPU_CLONES, REBIND
 
 
 def _model_management() -> Any:
@@ -100,7 +100,7 @@ def match_clone(root: Any, base: Any) -> tuple[Any, list[str]]:
     clone.load_device = base.load_device
     clone.hook_backup = base.hook_backup
     clone.remove_additional_models(CLONES_KEY)
-    clone.remove_additional_models("multigpu")
+    clone.remove_additional_models(MULTIGPU_CLONES)
     left_off = _rebind_injections(clone, base)
     for key, value in list(clone.object_patches.items()):
         if not key.startswith("diffusion_model.blocks."):
