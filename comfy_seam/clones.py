@@ -27,6 +27,8 @@ a `comfyui` test resolves on each release); each use is feature-detected and deg
 - `ModelPatcher.object_patches`: a helper clone would apply the root's object patches to its
   own modules; one holding the root's module (the pack's chunked block forward) is rebound
   through its `h3_multigpu_rebind(module)` when it has one, else left off (`match_clone`).
+- `comfy.model_management.free_memory(bytes, device)`: before the mode sizes a helper's weights,
+  ComfyUI is asked to make room there (`ask_to_free`).
 - `comfy.model_management.current_loaded_models` and `free_memory(bytes, device, keep_loaded=)`:
   frees a helper clone's device copy after sampling (`keep_weights` off), keeping every other
   model (`unload_model_and_clones` would also unload the root: the clones share its
@@ -43,6 +45,7 @@ a `comfyui` test resolves on each release); each use is feature-detected and deg
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -204,6 +207,17 @@ def unload(clone: Any) -> None:
     keep = [m for m in loaded if m.model is not clone]
     if len(keep) != len(loaded):
         free_memory(1e30, clone.load_device, keep_loaded=keep)
+
+
+def ask_to_free(device: torch.device, nbytes: int) -> None:
+    """Let ComfyUI unload what it keeps on a helper `device` (the text encoder) to make room:
+    `model_management.free_memory(bytes, device)`. Advisory: a failure is ignored (the caller
+    checks the free memory itself)."""
+    mm = _model_management()
+    free_memory = getattr(mm, "free_memory", None)
+    if free_memory is not None:
+        with contextlib.suppress(Exception):
+            free_memory(nbytes, device)
 
 
 def diffusion_model(clone: Any) -> torch.nn.Module:

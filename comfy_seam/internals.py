@@ -67,6 +67,8 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.model_patcher", "source", "self.wrappers", "protocol.wrapper_table"),
     _i("comfy.model_patcher", "source", "self.object_patches", "protocol.object_patches"),
     _i("comfy.model_patcher", "source", "self.attachments", "protocol.remove (attachments)"),
+    _i("comfy.patcher_extension", "source", f'transformer_options.get("{names.WRAPPERS}"',
+       "protocol.forward_wrappers (a forward's copy of the wrappers)"),
     _i("comfy.model_patcher", "source", "cached_patcher_init", "nodes.model_check.model_file"),
     _i("comfy.model_patcher:CoreModelPatcher", used_by="nodes.v3_upscale"),
     _i("comfy.model_patcher:LowVramPatch", used_by="tests (lowvram LoRA)"),

@@ -27,12 +27,6 @@ NOT_PRODUCT = {"tests", "bench", "tools", "twin", "comfy_seam", "workflows", "do
 # internals are listed in comfy_seam.internals, checked per release). Remove an entry when
 # that file goes through the seam.
 PENDING = {
-    "sequence/apply.py": ("add_wrapper_with_key", "set_model_patch_replace",
-                          "add_callback_with_key", "WrappersMP", "CallbacksMP", "comfy import",
-                          "args[3]", '"patches_replace"', '"transformer_options"', '"dit"',
-                          '"double_block"', "model_options", '"optimized_attention_override"',
-                          '["h3_multigpu"]'),
-    "sequence/runner.py": ('"transformer_options"',),
     "decode/executor.py": ('"decode_temporal"',),
     "decode/release.py": ('"decode_temporal"',),
 }
