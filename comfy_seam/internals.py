@@ -16,7 +16,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from . import names
+from . import names, vae
 
 BOTH = ("0.33.0", "newest")
 NEWEST = ("newest",)
@@ -39,6 +39,8 @@ def _i(target, kind="attr", expect=None, used_by="", releases=BOTH) -> Internal:
 MP = "comfy.model_patcher:ModelPatcher"
 H3 = "comfy.ldm.minimax.model"
 MM = "comfy.model_management"
+VAE_MODULE = "comfy.ldm.minimax.vae"
+VAE = f"{VAE_MODULE}:MiniMaxH3VideoVAE"
 
 INTERNALS: tuple[Internal, ...] = (
     # ---- wrapper / callback types (names.py spells them)
@@ -177,6 +179,14 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.model_patcher", "source",
        f'get_additional_models_with_key("{names.MULTIGPU_CLONES}")',
        "clones.match_clone (the CFG split's additional-models key, taken off a helper clone)"),
+    # ---- the H3 video VAE's window loop (vae.py; the split decode)
+    *(_i(f"{VAE}.{name}", used_by="vae.WINDOW_LOOP (decode.executor, decode.release)")
+      for name in vae.WINDOW_LOOP),
+    *(_i(VAE_MODULE, "source", f"self.{name} =", "vae.WINDOW_ATTRS (decode.windows)")
+      for name in vae.WINDOW_ATTRS),
+    _i(f"{VAE}.tiled_decode", used_by="vae.INNER (decode.release)"),
+    _i(f"{VAE}.split_tiles", used_by="vae.INNER (decode.release)"),
+    _i(f"{VAE}._decode_tile_row", used_by="vae.INNER (decode.release)", releases=NEWEST),
     # the newest-files bed serves 0.3.64's comfy_extras, which has no multi-GPU nodes: the pack
     # feature-detects them (runtime.nodes_multigpu() is None there)
     _i("comfy_extras.nodes_multigpu", "source", "class ", "nodes.comfy_placement",
