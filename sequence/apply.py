@@ -1,6 +1,7 @@
 """ComfyUI seam: `SequenceParallelConfig` and `apply_sequence_parallel(model_patcher, config)`.
 
-Installs, on a clone of the patcher:
+Installs, on a clone of the patcher, through the seam (`comfy_seam.protocol`, feature
+"sequence", in its place in the protocol's ORDER):
 - a `("dit", "double_block", i)` replace patch per DiT block, chaining a patch already there.
   Each GPU runs upstream's own block on its share of the rows (`runner.py`): the root through
   the patch's `original_block`, each helper on its ComfyUI-managed clone of the model.
