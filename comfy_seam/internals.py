@@ -16,7 +16,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from . import names
+from . import names, vae
 
 BOTH = ("0.33.0", "newest")
 NEWEST = ("newest",)
@@ -39,6 +39,8 @@ def _i(target, kind="attr", expect=None, used_by="", releases=BOTH) -> Internal:
 MP = "comfy.model_patcher:ModelPatcher"
 H3 = "comfy.ldm.minimax.model"
 MM = "comfy.model_management"
+VAE_MODULE = "comfy.ldm.minimax.vae"
+VAE = f"{VAE_MODULE}:MiniMaxH3VideoVAE"
 
 INTERNALS: tuple[Internal, ...] = (
     # ---- wrapper / callback types (names.py spells them)
@@ -67,6 +69,8 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.model_patcher", "source", "self.wrappers", "protocol.wrapper_table"),
     _i("comfy.model_patcher", "source", "self.object_patches", "protocol.object_patches"),
     _i("comfy.model_patcher", "source", "self.attachments", "protocol.remove (attachments)"),
+    _i("comfy.patcher_extension", "source", f'transformer_options.get("{names.WRAPPERS}"',
+       "protocol.forward_wrappers (a forward's copy of the wrappers)"),
     _i("comfy.model_patcher", "source", "cached_patcher_init", "nodes.model_check.model_file"),
     _i("comfy.model_patcher:CoreModelPatcher", used_by="nodes.v3_upscale"),
     _i("comfy.model_patcher:LowVramPatch", used_by="tests (lowvram LoRA)"),
@@ -149,6 +153,40 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.utils:common_upscale", used_by="nodes.v3_utils"),
     _i("comfy.utils:load_torch_file", used_by="nodes.v3_upscale"),
     _i("comfy.model_base:MiniMaxH3", used_by="nodes.model_check"),
+    # ---- the sequence mode's helper clones (clones.py)
+    _i(f"{MP}.deepclone_multigpu", used_by="clones.make_clone, clones.clone_refusal"),
+    _i(f"{MP}.deepclone_multigpu", "param", (1, "new_load_device"), "clones.make_clone"),
+    _i(f"{MP}.get_clone_model_override", used_by="clones.match_clone"),
+    _i(f"{MP}.set_additional_models", used_by="clones.set_clones"),
+    _i(f"{MP}.get_additional_models_with_key", used_by="clones (prepare_sampling loads them)"),
+    _i(f"{MP}.remove_additional_models", used_by="clones.make_clone, clones.match_clone"),
+    _i(f"{MP}.pre_run", used_by="clones.pre_run"),
+    _i(f"{MP}.cleanup", used_by="clones.cleanup"),
+    _i("comfy.model_patcher", "source", "self.injections", "clones._rebind_injections"),
+    _i("comfy.model_patcher", "source", "self.hook_backup", "clones.match_clone"),
+    _i(f"{MP}.clone", "param", (2, "model_override"), "clones.match_clone"),
+    _i("comfy.patcher_extension:PatcherInjection", used_by="clones._on_device (inject, eject)"),
+    _i("comfy.patcher_extension", "source", "self.inject = inject", "clones._on_device"),
+    _i("comfy.weight_adapter.bypass:BypassInjectionManager.create_injections",
+       used_by="clones._rebind_injections"),
+    _i("comfy.weight_adapter.bypass", "source", "self.adapters", "clones._rebind_injections"),
+    _i("comfy.weight_adapter.bypass", "source", "self.hooks", "clones._rebind_injections"),
+    _i(f"{MM}:current_loaded_models", used_by="clones.unload"),
+    _i(f"{MM}:free_memory", "param", (2, "keep_loaded"), "clones.unload"),
+    _i(f"{MM}:processing_interrupted", used_by="clones.processing_interrupted"),
+    _i(f"{MM}:throw_exception_if_processing_interrupted", used_by="clones.raise_if_interrupted"),
+    _i(H3, "source", "import comfy.model_management", "clones.in_training"),
+    _i("comfy.model_patcher", "source",
+       f'get_additional_models_with_key("{names.MULTIGPU_CLONES}")',
+       "clones.match_clone (the CFG split's additional-models key, taken off a helper clone)"),
+    # ---- the H3 video VAE's window loop (vae.py; the split decode)
+    *(_i(f"{VAE}.{name}", used_by="vae.WINDOW_LOOP (decode.executor, decode.release)")
+      for name in vae.WINDOW_LOOP),
+    *(_i(VAE_MODULE, "source", f"self.{name} =", "vae.WINDOW_ATTRS (decode.windows)")
+      for name in vae.WINDOW_ATTRS),
+    _i(f"{VAE}.tiled_decode", used_by="vae.INNER (decode.release)"),
+    _i(f"{VAE}.split_tiles", used_by="vae.INNER (decode.release)"),
+    _i(f"{VAE}._decode_tile_row", used_by="vae.INNER (decode.release)", releases=NEWEST),
     # the newest-files bed serves 0.3.64's comfy_extras, which has no multi-GPU nodes: the pack
     # feature-detects them (runtime.nodes_multigpu() is None there)
     _i("comfy_extras.nodes_multigpu", "source", "class ", "nodes.comfy_placement",

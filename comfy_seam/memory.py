@@ -225,3 +225,4 @@ def unpin_host(region_u8: torch.Tensor, booked: bool) -> None:
         comfy_model_management().unpin_memory(region_u8)
     else:
         torch.cuda.cudart().cudaHostUnregister(region_u8.data_ptr())
+

@@ -14,6 +14,7 @@ OVERRIDE_KEY = "optimized_attention_override"  # attention override (wrap_attn r
 PATCHES_REPLACE = "patches_replace"  # transformer_options key of the block-replace patches
 DIT_PATCH = "dit"  # the H3 model's patches_replace group (comfy/ldm/minimax/model.py)
 DOUBLE_BLOCK = "double_block"  # the H3 block-replace key: ("double_block", i)
+MULTIGPU_CLONES = "multigpu"  # additional-models key of ComfyUI's CFG-split per-GPU clones
 WRAPPERS = "wrappers"  # transformer_options key of the wrappers ComfyUI copies per call
 PREFETCH_DYNAMIC_VBARS = "prefetch_dynamic_vbars"  # DynamicVRAM's per-call block prefetch flag
 
@@ -43,3 +44,5 @@ SEQUENCE_KEY = "h3_multigpu.sequence"
 CHUNKING_KEY = "h3_multigpu.chunking"
 DECODE_KEY = "h3_multigpu.decode"
 ATTENTION_KEY = "h3_multigpu.attention"
+CLONES_KEY = "h3_multigpu_sequence"  # additional-models key of the sequence helper clones
+REBIND = "h3_multigpu_rebind"  # an object patch that can move to a helper clone's module

@@ -130,22 +130,36 @@ def wrappers_of(patcher: Any, wrapper_type: str, feature: str) -> list:
     return list(wrapper_table(patcher).get(wrapper_type, {}).get(KEYS[feature], []))
 
 
-def block_patch_at(patcher: Any, index: int) -> Any:
-    """The ("double_block", index) replace patch installed now, or None."""
-    dit = options(patcher).get(names.PATCHES_REPLACE, {}).get(names.DIT_PATCH, {})
+def _options_of(patcher_or_options: Any) -> dict:
+    """A forward's transformer_options as given, or the patcher's."""
+    if isinstance(patcher_or_options, dict):
+        return patcher_or_options
+    return options(patcher_or_options)
+
+
+def block_patch_at(patcher_or_options: Any, index: int) -> Any:
+    """The ("double_block", index) replace patch installed now (on a patcher or in a forward's
+    options), or None."""
+    to = _options_of(patcher_or_options)
+    dit = to.get(names.PATCHES_REPLACE, {}).get(names.DIT_PATCH, {})
     return dit.get((names.DOUBLE_BLOCK, index))
 
 
-def block_patches(patcher: Any) -> dict:
-    """{("double_block", i): patch} of the DiT."""
-    return dict(options(patcher).get(names.PATCHES_REPLACE, {}).get(names.DIT_PATCH, {}))
+def block_patches(patcher_or_options: Any) -> dict:
+    """{("double_block", i): patch} of the DiT (of a patcher or of a forward's options)."""
+    to = _options_of(patcher_or_options)
+    return dict(to.get(names.PATCHES_REPLACE, {}).get(names.DIT_PATCH, {}))
+
+
+def forward_wrappers(forward_options: dict, wrapper_type: str) -> dict[str, list]:
+    """{key: [wrapper, ...]} of one type in a forward's transformer_options (ComfyUI copies
+    the patcher's wrappers there per call, under "wrappers": 0.33.0 and the newest files)."""
+    return forward_options.get(names.WRAPPERS, {}).get(wrapper_type, {})
 
 
 def override_of(patcher_or_options: Any) -> Any:
     """The attention override installed now (of a patcher or of a forward's options), or None."""
-    to = patcher_or_options if isinstance(patcher_or_options, dict) else options(
-        patcher_or_options)
-    return to.get(names.OVERRIDE_KEY)
+    return _options_of(patcher_or_options).get(names.OVERRIDE_KEY)
 
 
 def has(patcher: Any, feature: str) -> bool:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..comfy_seam import vae
 from ..exchange.streams import current_stream, new_stream, on_streams, record, wait
 from ..guard.device import device_context
 from ..guard.interrupt import is_interrupt
@@ -118,7 +119,7 @@ class _Range:
         self.cls = type(model)
         view = copy.copy(model)  # shares every module and tensor; our wrappers live on it only
         drop_restored_methods(view, model)
-        view.__dict__.pop("decode_temporal", None)  # our own object patch, when on the root
+        vae.drop_loop_patch(view)  # our own object patch, when on the root
         view._adaptive_decode = self._adaptive_decode
         view._decode_pixels = self._decode_pixels
         view._finalize_pixels = self._finalize_pixels

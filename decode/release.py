@@ -20,14 +20,9 @@ from __future__ import annotations
 
 from torch import nn
 
-# called by the split itself, or wrapped on a view of the model: the split needs every one
-WINDOW_LOOP = ("decode_temporal", "decode_output_shape", "_decode_temporal_chunks",
-               "_adaptive_decode", "_finalize_pixels", "blend", "_decode_pixels")
-# read by the split: the latent frames between window starts and past them, the cross-fade
-WINDOW_ATTRS = ("tokens_chunk_size", "token_overlap", "frame_overlap")
-# run by the VAE's own code inside a window; optional (a release may lack some), but one
-# replaced on the instance would not follow a view or a copy of the model
-INNER = ("tiled_decode", "_decode_tile_row", "split_tiles")
+# the window loop's names (ComfyUI internals, listed per release): the seam spells them
+from ..comfy_seam.vae import INNER, WINDOW_ATTRS, WINDOW_LOOP
+
 SHAPES = {
     "0.33.0": "the ComfyUI 0.33.0 VAE: tiled_decode decodes one tile per decoder call",
     "newest": "the newest VAE: tiled_decode batches tiles per decoder call (_decode_tile_row)",

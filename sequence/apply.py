@@ -1,6 +1,7 @@
 """ComfyUI seam: `SequenceParallelConfig` and `apply_sequence_parallel(model_patcher, config)`.
 
-Installs, on a clone of the patcher:
+Installs, on a clone of the patcher, through the seam (`comfy_seam.protocol`, feature
+"sequence", in its place in the protocol's ORDER):
 - a `("dit", "double_block", i)` replace patch per DiT block, chaining a patch already there.
   Each GPU runs upstream's own block on its share of the rows (`runner.py`): the root through
   the patch's `original_block`, each helper on its ComfyUI-managed clone of the model.
@@ -14,7 +15,7 @@ Installs, on a clone of the patcher:
   the fallback: a helper failure (out of memory, a runtime error) re-runs that step on one GPU,
   with one warning.
 - an OUTER_SAMPLE wrapper: before ComfyUI prepares sampling, each helper's clone
-  (`comfy_clones`: made once with ComfyUI's `deepclone_multigpu`, then matched to this run's
+  (`comfy_seam.clones`: made once with ComfyUI's `deepclone_multigpu`, then matched to this run's
   patcher: its LoRA patches, injections and hooks) is handed to ComfyUI as an additional model,
   so ComfyUI loads it on the helper GPU (legacy loader or DynamicVRAM) and patches it; after
   sampling the helpers are unloaded (unless `keep_weights`), so the helper GPU is free for the
@@ -46,15 +47,15 @@ from ..chunking.formats import (
     linear_shape,
     skipped_adapter_note,
 )
-from ..comfy_seam.h3 import weight_format
+from ..comfy_seam import clones as comfy_clones
+from ..comfy_seam import names, protocol
+from ..comfy_seam.h3 import forward_options, sampled_patcher, weight_format
 from ..comfy_seam.memory import free_vram_bytes
-from ..comfy_seam.names import DIFFUSION_MODEL, ON_DETACH, OUTER_SAMPLE
-from ..comfy_seam.names import SEQUENCE_KEY as WRAPPER_KEY
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
 from ..geometry import HEADS
-from . import comfy_clones, sizing
+from . import sizing
 from .runner import SequenceRunner, SplitState, device_current
 from .split import SequenceSplit
 from .threads import DEFAULT_TIMEOUT_S
@@ -394,10 +395,9 @@ class SequenceParallel:
 
     def _foreign_outside(self, options: dict) -> set[int]:
         """Blocks whose outermost patch chain is not ours (or transparent down to ours)."""
-        patches = options.get("patches_replace", {}).get("dit", {})
         out = set()
         for i in range(len(self.blocks)):
-            patch = patches.get(("double_block", i))
+            patch = protocol.block_patch_at(options, i)
             while patch is not None and getattr(patch, "h3_multigpu_sequence", None) is not self:
                 if not getattr(patch, "h3_multigpu_transparent", False):
                     out.add(i)
@@ -500,7 +500,7 @@ class SequenceParallel:
 
         def patch(args: dict, extra: dict) -> dict:
             forward = self.forward
-            options = args.get("transformer_options")
+            options = args.get(names.TRANSFORMER_OPTIONS)
             if forward is None or forward.options is not options:
                 return _call(previous, args, extra)  # outside our wrapper: plain block
             if forward.mode is None:
@@ -551,7 +551,7 @@ class SequenceParallel:
                 call, block = self._helper_call(k, index)
                 calls.append(call)
                 blocks.append(block)
-            runner.run_block(state, calls, args["transformer_options"], blocks)
+            runner.run_block(state, calls, args[names.TRANSFORMER_OPTIONS], blocks)
             self.blocks_run += 1
             # whoever sees h next must see all of it: the model after the last block, a foreign
             # patch around this block or the next one
@@ -599,10 +599,8 @@ class SequenceParallel:
     # ------------------------------------------------------------------ wrappers
     def diffusion_model_wrapper(self) -> Callable:
         def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
-            options = kwargs.get("transformer_options")
-            if options is None and len(args) > 3 and isinstance(args[3], dict):
-                options = args[3]
-            if not isinstance(options, dict):
+            options = forward_options(args, kwargs)
+            if options is None:
                 return executor(*args, **kwargs)
             with device_current(self.devices[0]):
                 try:
@@ -622,7 +620,7 @@ class SequenceParallel:
 
     def outer_sample_wrapper(self) -> Callable:
         def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
-            root = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
+            root = sampled_patcher(executor)
             clones = self.match_clones(root)
             try:
                 return executor(*args, **kwargs)
@@ -720,7 +718,7 @@ def _root_call(original: Callable, args: dict) -> Callable:
     ComfyUI or a transparent patch put around it) on the root's rows."""
     def call(x, t_emb, segments, rope, options):
         return original({**args, "img": x, "t_emb": t_emb, "mod_segments": segments,
-                         "rope_freqs": rope, "transformer_options": options})["img"]
+                         "rope_freqs": rope, names.TRANSFORMER_OPTIONS: options})["img"]
     return call
 
 
@@ -739,7 +737,7 @@ def _decomposable(args: dict) -> bool:
 
 def _dual_sage_in(options: dict) -> Any:
     """Dual-Sage's sharded attention when its override is in the chain, else None."""
-    override = options.get("optimized_attention_override")
+    override = protocol.override_of(options)
     seen = 0
     while override is not None and seen < 8:
         sharded = getattr(override, "sharded", None)
@@ -752,8 +750,7 @@ def _dual_sage_in(options: dict) -> Any:
 
 def _prefetch_in(options: dict) -> Any:
     """Our prefetcher's state when its DIFFUSION_MODEL wrapper is in this forward's options."""
-    wrappers = options.get("wrappers", {}).get(DIFFUSION_MODEL, {})
-    for functions in wrappers.values():
+    for functions in protocol.forward_wrappers(options, names.DIFFUSION_MODEL).values():
         for fn in functions:
             prefetch = getattr(fn, "block_prefetch", None)
             if prefetch is not None:
@@ -768,22 +765,7 @@ def _free_bytes(device: torch.device) -> int | None:
 
 def _ask_comfy_to_free(device: torch.device, nbytes: int) -> None:
     """Let ComfyUI unload what it keeps on the helper (the text encoder) to make room."""
-    try:
-        import comfy.model_management as mm
-    except ImportError:
-        return
-    free_memory = getattr(mm, "free_memory", None)
-    if free_memory is not None:
-        with contextlib.suppress(Exception):  # advisory: our own check follows
-            free_memory(nbytes, device)
-
-
-def _wrapper_type(name: str, fallback: str) -> str:
-    try:
-        from comfy.patcher_extension import WrappersMP
-    except ImportError:
-        return fallback
-    return getattr(WrappersMP, name, fallback)
+    comfy_clones.ask_to_free(device, nbytes)  # advisory: our own check follows
 
 
 def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) -> Any:
@@ -802,26 +784,16 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
                             clone_refusal=comfy_clones.clone_refusal(model_patcher))
 
     patched = model_patcher.clone()
-    options = patched.model_options.setdefault("transformer_options", {})
-    existing = options.get("patches_replace", {}).get("dit", {})
-    for i in range(len(blocks)):
-        patched.set_model_patch_replace(mode.block_patch(i, existing.get(("double_block", i))),
-                                        "dit", "double_block", i)
-    patched.add_wrapper_with_key(_wrapper_type("DIFFUSION_MODEL", DIFFUSION_MODEL), WRAPPER_KEY,
-                                 mode.diffusion_model_wrapper())
-    patched.add_wrapper_with_key(_wrapper_type("OUTER_SAMPLE", OUTER_SAMPLE), WRAPPER_KEY,
-                                 mode.outer_sample_wrapper())
-    add_callback = getattr(patched, "add_callback_with_key", None)
-    if add_callback is not None:
-        try:
-            from comfy.patcher_extension import CallbacksMP
-            detach = getattr(CallbacksMP, "ON_DETACH", ON_DETACH)
-        except ImportError:
-            detach = ON_DETACH
-        add_callback(detach, WRAPPER_KEY, lambda *a, **k: mode.release())
-    to = patched.model_options["transformer_options"]
-    to["h3_multigpu"] = {**to.get("h3_multigpu", {}), "sequence": mode.status()}
-    mode.sinks.append(to["h3_multigpu"])  # run-time refusals rewrite the line there
+    # each block's patch chains the one already there (a foreign patch, our prefetcher's)
+    hooks = [protocol.block_patch(i, lambda previous, i=i: mode.block_patch(i, previous))
+             for i in range(len(blocks))]
+    protocol.install(
+        patched, "sequence", *hooks,
+        protocol.wrapper(names.DIFFUSION_MODEL, mode.diffusion_model_wrapper()),
+        protocol.wrapper(names.OUTER_SAMPLE, mode.outer_sample_wrapper()),
+        protocol.callback(names.ON_DETACH, lambda *a, **k: mode.release()))
+    # run-time refusals rewrite the line there
+    mode.sinks.append(protocol.record_status(patched, "sequence", mode.status()))
     return patched
 
 
@@ -840,9 +812,7 @@ def under_dynamic_vram(model_patcher: Any) -> bool:
 
 def get_sequence_parallel(model_patcher: Any) -> SequenceParallel | None:
     """The mode installed on a patcher (its block patches carry it), if any."""
-    patches = model_patcher.model_options.get("transformer_options", {}).get(
-        "patches_replace", {}).get("dit", {})
-    for patch in patches.values():
+    for patch in protocol.block_patches(model_patcher).values():
         while patch is not None:
             mode = getattr(patch, "h3_multigpu_sequence", None)
             if isinstance(mode, SequenceParallel):

@@ -1,7 +1,7 @@
 """The DiT blocks' weights on a helper GPU: a resident replica, or a slot ring streamed from host.
 
 The fallback for models ComfyUI cannot clone per GPU (a loader without a reload factory, the
-twin, a release without multi-GPU clones: `comfy_clones.clone_refusal`); otherwise each helper
+twin, a release without multi-GPU clones: `comfy_seam.clones.clone_refusal`); otherwise each helper
 runs a ComfyUI-managed clone and nothing here is used.
 
 Each helper share runs upstream's block forward on a module copy of its own (`ModuleCopy`: the

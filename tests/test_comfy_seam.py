@@ -22,22 +22,10 @@ from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 ROOT = Path(__file__).resolve().parent.parent
 NOT_PRODUCT = {"tests", "bench", "tools", "twin", "comfy_seam", "workflows", "docs", "venv",
                ".venv"}
-# The sequence mode (rewritten by issue 21's other half) still calls the patcher's API itself
-# in these modules. The decode's VAE view calls the VAE's own window loop by name (its
-# internals are listed in comfy_seam.internals, checked per release). Remove an entry when
-# that file goes through the seam.
-PENDING = {
-    "sequence/apply.py": ("add_wrapper_with_key", "set_model_patch_replace",
-                          "add_callback_with_key", "WrappersMP", "CallbacksMP", "comfy import",
-                          "args[3]", '"patches_replace"', '"transformer_options"', '"dit"',
-                          '"double_block"', "model_options", '"optimized_attention_override"',
-                          '["h3_multigpu"]'),
-    "sequence/runner.py": ('"transformer_options"',),
-    # the helper clones (ComfyUI's deepclone_multigpu, object patches re-bound per clone)
-    "sequence/comfy_clones.py": ("object_patches", "comfy import"),
-    "decode/executor.py": ('"decode_temporal"',),
-    "decode/release.py": ('"decode_temporal"',),
-}
+# Modules allowed to name a ComfyUI internal outside the seam, {file: labels}. Empty: every
+# feature (sequence included) goes through comfy_seam, and the decode's VAE window loop is
+# spelled in comfy_seam.vae (its internals listed in comfy_seam.internals, checked per release).
+PENDING: dict[str, tuple[str, ...]] = {}
 # what names a ComfyUI internal in code: (label, regex)
 TOKENS = (
     *((t, re.escape(t)) for t in (

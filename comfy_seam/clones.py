@@ -1,7 +1,7 @@
-"""Every ComfyUI internal the sequence mode uses, in one place (to move into the pack's seam).
+"""The sequence mode's helper clones: every ComfyUI internal they use, in the seam.
 
-Checked on ComfyUI 0.33.0 (`/work/beds/comfyui-033`); the newest-files bed was not built when
-this was written, so each use is feature-detected and degrades as stated:
+Checked on ComfyUI 0.33.0 and the newest-files bed (each listed in `internals.INTERNALS`, which
+a `comfyui` test resolves on each release); each use is feature-detected and degrades as stated:
 
 - `ModelPatcher.deepclone_multigpu(new_load_device=)` (comfy/model_patcher.py): a fresh model
   from the loader's `cached_patcher_init` factory, as ComfyUI's MultiGPU CFG Split builds its
@@ -10,7 +10,8 @@ this was written, so each use is feature-detected and degrades as stated:
   binds the helper weights itself (`weights.py`).
 - `ModelPatcher.register_load_device(device)` (ModelPatcherDynamic, DynamicVRAM's per-device
   pin bookkeeping; comfy_extras/nodes_multigpu.py calls it after retargeting): called when
-  present, as `deepclone_multigpu` itself does.
+  present, as `deepclone_multigpu` itself does (neither bed's ModelPatcher has it, so it is not
+  in `internals.INTERNALS`).
 - `ModelPatcher.clone(model_override=other.get_clone_model_override())`: what
   `match_multigpu_clones` does before every sampling run, so a helper clone carries the root
   patcher's weight patches (LoRA), injections (on-activation LoRA) and hook patches while
@@ -26,6 +27,8 @@ this was written, so each use is feature-detected and degrades as stated:
 - `ModelPatcher.object_patches`: a helper clone would apply the root's object patches to its
   own modules; one holding the root's module (the pack's chunked block forward) is rebound
   through its `h3_multigpu_rebind(module)` when it has one, else left off (`match_clone`).
+- `comfy.model_management.free_memory(bytes, device)`: before the mode sizes a helper's weights,
+  ComfyUI is asked to make room there (`ask_to_free`).
 - `comfy.model_management.current_loaded_models` and `free_memory(bytes, device, keep_loaded=)`:
   frees a helper clone's device copy after sampling (`keep_weights` off), keeping every other
   model (`unload_model_and_clones` would also unload the root: the clones share its
@@ -42,13 +45,13 @@ this was written, so each use is feature-detected and degrades as stated:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
 import torch
 
-CLONES_KEY = "h3_multigpu_sequence"  # additional-models key of the helper clones
-REBIND = "h3_multigpu_rebind"  # an object patch that can move to a helper clone's module
+from .names import CLONES_KEY, MULTIGPU_CLONES, REBIND
 
 
 def _model_management() -> Any:
@@ -100,7 +103,7 @@ def match_clone(root: Any, base: Any) -> tuple[Any, list[str]]:
     clone.load_device = base.load_device
     clone.hook_backup = base.hook_backup
     clone.remove_additional_models(CLONES_KEY)
-    clone.remove_additional_models("multigpu")
+    clone.remove_additional_models(MULTIGPU_CLONES)
     left_off = _rebind_injections(clone, base)
     for key, value in list(clone.object_patches.items()):
         if not key.startswith("diffusion_model.blocks."):
@@ -204,6 +207,17 @@ def unload(clone: Any) -> None:
     keep = [m for m in loaded if m.model is not clone]
     if len(keep) != len(loaded):
         free_memory(1e30, clone.load_device, keep_loaded=keep)
+
+
+def ask_to_free(device: torch.device, nbytes: int) -> None:
+    """Let ComfyUI unload what it keeps on a helper `device` (the text encoder) to make room:
+    `model_management.free_memory(bytes, device)`. Advisory: a failure is ignored (the caller
+    checks the free memory itself)."""
+    mm = _model_management()
+    free_memory = getattr(mm, "free_memory", None)
+    if free_memory is not None:
+        with contextlib.suppress(Exception):
+            free_memory(nbytes, device)
 
 
 def diffusion_model(clone: Any) -> torch.nn.Module:
