@@ -40,64 +40,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..chunking.sizing import row_chunks
-from ..exchange.links import Link, keep_until_used
+from ..exchange.links import Link
 from ..exchange.streams import current_stream, record, wait
 from ..exchange.transport import TransportMode
-from ..guard.device import device_context
-from ..sequence.runner import clip_segments
+from ..sequence import runner as _runner
+from ..sequence.runner import SplitState, clip_segments, device_current, tensor_version
 from ..sequence.split import SequenceSplit
 from ..sequence.weights import HelperWeights
 from .legacy_h3_ops import H3Ops, project_rows
 
 Segments = list[tuple[int, int, Any]]
-
-
-@dataclass
-class DeviceRows:
-    """One device's share of the residual stream and of the per-forward block inputs."""
-
-    device: torch.device
-    start: int
-    stop: int
-    x_sC: torch.Tensor  # the root's: a view of the model's h; a helper's: its own tensor
-    t_emb: torch.Tensor
-    rope: torch.Tensor  # [1, s, 1, r/2, 2, 2]
-    segments: Segments
-
-    @property
-    def rows(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass
-class SplitState:
-    """The residual stream split over the devices for one forward's block loop."""
-
-    h_SC: torch.Tensor  # the model's residual tensor (root rows live, the others stale)
-    shares: list[DeviceRows]
-    inputs: tuple[int, int, int]  # ids of (t_emb, rope_freqs, mod_segments) it was built for
-    version: int | None = None
-    gathered: bool = False
-
-    def owns(self, h_SC: torch.Tensor, t_emb: Any, rope: Any, segments: Any) -> bool:
-        """True when `h_SC` is the tensor this state returned, untouched since."""
-        return (h_SC is self.h_SC and self.inputs == (id(t_emb), id(rope), id(segments))
-                and self.version == tensor_version(h_SC))
-
-
-def tensor_version(tensor: torch.Tensor) -> int | None:
-    # inference tensors keep no version counter (reading it raises)
-    return None if tensor.is_inference() else tensor._version
-
-
-# ComfyUI's kernels and comfy-kitchen use the current device (a module name: tests book by it)
-device_current = device_context
 
 
 class SequenceRunner:
@@ -129,81 +86,11 @@ class SequenceRunner:
             link.close()
         self.links = {}
 
-    # ------------------------------------------------------------------ scatter / gather
-    def scatter(self, h_SC: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
-                segments: Segments) -> SplitState:
-        """Split the residual stream and the block inputs over the devices (first block)."""
-        rows = self.split.rows_for(h_SC.shape[0])
-        root = self.devices[0]
-        t_emb = t_emb.contiguous()
-        shares = [DeviceRows(root, rows[0][0], rows[0][1], h_SC[rows[0][0]:rows[0][1]], t_emb,
-                             rope[:, rows[0][0]:rows[0][1]], clip_segments(segments, *rows[0]))]
-        # (device index, destination, source): every source is made contiguous BEFORE the
-        # event below, so no copy kernel queued after it can still be writing what a link reads
-        sends: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        allocated: dict[int, Any] = {}
-        for k in range(1, len(self.devices)):
-            a, b = rows[k]
-            device = self.devices[k]
-            with device_current(device):
-                x_sC = torch.empty((b - a, h_SC.shape[1]), dtype=h_SC.dtype, device=device)
-                t_k = torch.empty_like(t_emb, device=device)
-                rope_k = torch.empty((1, b - a, *rope.shape[2:]), dtype=rope.dtype, device=device)
-                sends += [(k, x_sC, h_SC[a:b]), (k, t_k, t_emb),
-                          (k, rope_k, rope[:, a:b].contiguous())]
-                seg_k = []
-                for s0, s1, row in clip_segments(segments, a, b):
-                    if isinstance(row, torch.Tensor):
-                        row_k = torch.empty(row.shape, dtype=row.dtype, device=device)
-                        sends.append((k, row_k, row.contiguous()))
-                        row = row_k
-                    seg_k.append((s0, s1, row))
-                # the buffers above were allocated on k's compute stream: a link writes them
-                # only after what that stream queued before (their memory's last owner) is done
-                allocated[k] = record(current_stream(device))
-            shares.append(DeviceRows(device, a, b, x_sC, t_k, rope_k, seg_k))
-        # everything sent below was produced on the root's compute stream
-        produced = record(current_stream(root))
-        arrived: dict[int, Any] = {}
-        for k, dst, src in sends:
-            arrived[k] = self._send(0, k, dst, src, produced, allocated[k])
-        for k, event in arrived.items():
-            with device_current(self.devices[k]):
-                # k's first kernels read these: they must have arrived (one receive stream, in
-                # order, so the last arrival covers every copy to k)
-                wait(current_stream(self.devices[k]), event)
-        return SplitState(h_SC, shares, (0, 0, 0))
-
-    def _send(self, src: int, dst: int, dst_tensor: torch.Tensor, src_tensor: torch.Tensor,
-              after: Any, dst_ready: Any) -> Any:
-        """One contiguous copy on the src -> dst link; both tensors kept until it completed."""
-        link = self.link(src, dst)
-        arrived = link.copy(dst_tensor, src_tensor, after=after, dst_ready=dst_ready)
-        keep_until_used(src_tensor, link.send)
-        keep_until_used(dst_tensor, link.recv)
-        return arrived
-
-    def gather(self, state: SplitState) -> torch.Tensor:
-        """Bring every helper's rows back into the root's h (last block, or before foreign code)."""
-        if state.gathered:
-            return state.h_SC
-        root = self.devices[0]
-        # h's helper rows are not touched on the root after the scatter; ordering the writes
-        # after the root's queued work anyway costs nothing (the root waits for them next)
-        root_ready = record(current_stream(root))
-        arrivals = []
-        for k, share in enumerate(state.shares[1:], start=1):
-            with device_current(share.device):
-                # the rows are final only after k's last block kernels
-                done = record(current_stream(share.device))
-            arrivals.append(self._send(k, 0, state.h_SC[share.start:share.stop], share.x_sC,
-                                       done, root_ready))
-        for arrived in arrivals:
-            # the root reads h next: every helper's rows must have landed
-            wait(current_stream(root), arrived)
-        state.gathered = True
-        state.version = tensor_version(state.h_SC)
-        return state.h_SC
+    # the scatter and gather are the product runner's own (the same code, not a copy): they use
+    # only `devices`, `split` and `link`, which this runner has too
+    scatter = _runner.SequenceRunner.scatter
+    _send = _runner.SequenceRunner._send
+    gather = _runner.SequenceRunner.gather
 
     # ------------------------------------------------------------------ one block
     @contextlib.contextmanager
