@@ -716,3 +716,28 @@ def checksum(*tensors: torch.Tensor) -> float:
         flat = t.detach().to(torch.float64).flatten().abs()
         total += float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum())
     return total
+
+
+def record_cuda_pin_calls(monkeypatch) -> dict[int, int]:
+    """ComfyUI's pinning on with an empty budget, CUDA's host-registration calls recorded (ComfyUI's
+    own pin_memory / unpin_memory and their bookkeeping run): the registered pointer -> bytes."""
+    import comfy.model_management as mm
+
+    registered: dict[int, int] = {}
+
+    class CudaRuntime:
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            assert ptr not in registered
+            registered[ptr] = size
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(ptr):
+            registered.pop(ptr)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: CudaRuntime)
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
+    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
+    return registered

@@ -21,26 +21,25 @@ import types
 
 import pytest
 import torch
-from comfyui_h3 import TinyH3Config, make_inputs, make_tiny_h3, run_like_sampler, unload_all
+from comfyui_h3 import (
+    TinyH3Config,
+    make_inputs,
+    make_tiny_h3,
+    record_cuda_pin_calls,
+    run_like_sampler,
+    unload_all,
+)
 
 from h3_multigpu.dual_sage import get_sharded_attention
 from h3_multigpu.guard.oom import PackOutOfMemoryError, pack_memory
 from h3_multigpu.nodes.features import CONFIGS, apply_feature
 from h3_multigpu.offload import get_block_prefetch
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui", "two_cpu_threads")]
 
 CONFIG = TinyH3Config(heads=8, blocks=3)
 SIGMAS = (0.9, 0.6, 0.3, 0.0)  # three sampling steps
 LONG, SHORT = (3, 8, 12), (3, 4, 6)  # latent frames, height, width: the failing and the next
-
-
-@pytest.fixture(autouse=True)
-def _two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def same(a, b) -> bool:
@@ -302,27 +301,9 @@ def comfy_pins(monkeypatch):
     """ComfyUI pinning on, with CUDA's registration calls recorded (ComfyUI's own pin_memory /
     unpin_memory and their bookkeeping run), and the exchange's relay slots page-locked as on
     a GPU."""
-    import comfy.model_management as mm
-
     from h3_multigpu.exchange import pinned
 
-    registered: dict[int, int] = {}
-
-    class CudaRuntime:
-        @staticmethod
-        def cudaHostRegister(ptr, size, flags):
-            assert ptr not in registered
-            registered[ptr] = size
-            return 0
-
-        @staticmethod
-        def cudaHostUnregister(ptr):
-            registered.pop(ptr)
-            return 0
-
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: CudaRuntime)
-    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
-    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
+    registered = record_cuda_pin_calls(monkeypatch)
     monkeypatch.setattr(pinned, "should_pin", lambda *devices: True)
     return registered
 

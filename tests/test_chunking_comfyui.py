@@ -42,16 +42,7 @@ from h3_multigpu.chunking.formats import activation_adapters
 from h3_multigpu.comfy_seam import h3 as seam_h3
 from h3_multigpu.comfy_seam.h3 import weight_format
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
-
-
-@pytest.fixture(autouse=True)
-def _two_threads():
-    """Two threads, as ComfyUI runs on a CPU (the row and head rules are measured with them)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui", "two_cpu_threads")]
 
 
 @pytest.fixture(scope="module")

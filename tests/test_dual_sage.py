@@ -29,18 +29,11 @@ from h3_multigpu.twin import AttentionTensorContainer, TwinPatcher
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _two_threads():
-    """Two threads, as ComfyUI runs on a CPU: the exactness rules are measured with them
-    (`dual_sage/exactness.py`: a subset needs 2 heads then)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("two_cpu_threads")
 
 
 @pytest.fixture
-def one_thread(_two_threads):
+def one_thread(two_cpu_threads):
     """For the mechanism tests that split down to 1-head subsets without an exact range:
     those are exact on the CPU only single-threaded (measured: `exact_range.json` "cpu")."""
     torch.set_num_threads(1)

@@ -39,21 +39,13 @@ from h3_multigpu.dual_sage import sharded as sharded_module
 from h3_multigpu.kernels import AttentionBackend, Constraints, mark_unavailable
 from h3_multigpu.kernels import register as register_backend
 
-pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui", "two_cpu_threads")]
 
 CONFIG = TinyH3Config(heads=8, adaln="curve")  # 8 heads of 128: split 3:3:2 over 3 devices
 INT8 = TinyH3Config(heads=8, adaln="curve", weights="int8_convrot", dtype=torch.bfloat16)
 MODELS = {"fp32": CONFIG, "int8_convrot": INT8}
 HELPERS = ("cpu", "cpu")
 SUBSETS = 3  # attention calls per split call: the root's heads and one chunk per helper
-
-
-@pytest.fixture(autouse=True)
-def _two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def same(a, b) -> bool:

@@ -16,7 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from comfyui_h3 import TinyH3Config, make_inputs, make_tiny_h3, run_like_sampler
+from comfyui_h3 import (
+    TinyH3Config,
+    make_inputs,
+    make_tiny_h3,
+    record_cuda_pin_calls,
+    run_like_sampler,
+)
 
 from h3_multigpu.comfy_seam import memory as comfy_memory
 from h3_multigpu.offload import (
@@ -123,26 +129,7 @@ def test_chunking_sequence_and_prefetch_ask_comfyui(free_memory, monkeypatch):
 @pytest.fixture
 def pin_driver(monkeypatch):
     """ComfyUI pinning on (a budget), with CUDA's registration calls recorded."""
-    import comfy.model_management as mm
-
-    registered: dict[int, int] = {}
-
-    class CudaRuntime:
-        @staticmethod
-        def cudaHostRegister(ptr, size, flags):
-            assert ptr not in registered
-            registered[ptr] = size
-            return 0
-
-        @staticmethod
-        def cudaHostUnregister(ptr):
-            registered.pop(ptr)
-            return 0
-
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: CudaRuntime)
-    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
-    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
-    return registered
+    return record_cuda_pin_calls(monkeypatch)
 
 
 class Block(nn.Module):

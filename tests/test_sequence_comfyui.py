@@ -40,20 +40,12 @@ from h3_multigpu.sequence.apply import COMFY_CLONES
 
 INTERRUPTED = "InterruptProcessingException"
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui", "two_cpu_threads")]
 
 CONFIGS = [TinyH3Config(adaln="curve", heads=4), TinyH3Config(adaln="full", heads=4)]
 INT8 = TinyH3Config(adaln="curve", heads=8, weights="int8_convrot", dtype=torch.bfloat16)
 WIDE = {2: TinyH3Config(heads=4), 3: TinyH3Config(heads=8), 4: TinyH3Config(heads=8)}
 LONGER = (3, 8, 8)  # 16 text + 10 audio + 48 video rows = 74: >= 18 rows on each of 4 devices
-
-
-@pytest.fixture(autouse=True)
-def _two_threads(fresh_comfyui):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _same(a, b) -> bool:
