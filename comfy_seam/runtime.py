@@ -6,7 +6,9 @@ outside ComfyUI (the CLI, the twin tests); callers name the functions they call,
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
+from typing import Any
 
 
 def _module(name: str) -> ModuleType | None:
@@ -44,3 +46,22 @@ def quant_ops() -> ModuleType | None:
 def nodes_multigpu() -> ModuleType | None:
     """`comfy_extras.nodes_multigpu` (the core Select*Device nodes)."""
     return _module("comfy_extras.nodes_multigpu")
+
+
+def loaded_model_management() -> ModuleType | None:
+    """`comfy.model_management` only if ComfyUI has imported it (never imports it: the OOM and
+    cancel guards run in the CLI and the twin tests too, where importing it would start
+    ComfyUI's device setup)."""
+    return sys.modules.get("comfy.model_management")
+
+
+def loaded_optimized_attention() -> Any:
+    """ComfyUI's `optimized_attention` as the H3 model module imported it (a module global of
+    comfy.ldm.modules.attention set at import by the startup flags, which the H3 module imports
+    by name, so its copy is what its blocks call), else the attention module's; None before
+    ComfyUI imported them (read only, never imported here)."""
+    for name in ("comfy.ldm.minimax.model", "comfy.ldm.modules.attention"):
+        function = getattr(sys.modules.get(name), "optimized_attention", None)
+        if function is not None:
+            return function
+    return None

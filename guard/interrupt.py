@@ -14,7 +14,7 @@ never treat it as a helper failure, or the cancel is lost.
 
 from __future__ import annotations
 
-import sys
+from ..comfy_seam.runtime import loaded_model_management
 
 INTERRUPT_EXCEPTION = "InterruptProcessingException"  # comfy.model_management's class name
 
@@ -22,7 +22,7 @@ INTERRUPT_EXCEPTION = "InterruptProcessingException"  # comfy.model_management's
 def check_interrupt() -> None:
     """Raise ComfyUI's InterruptProcessingException when a cancel is pending (clearing it, as
     ComfyUI's own checks do); nothing outside ComfyUI."""
-    mm = sys.modules.get("comfy.model_management")
+    mm = loaded_model_management()
     check = getattr(mm, "throw_exception_if_processing_interrupted", None)
     if check is not None:
         check()

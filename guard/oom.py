@@ -35,6 +35,7 @@ import torch
 from ..comfy_seam import protocol
 from ..comfy_seam.h3 import sampled_patcher
 from ..comfy_seam.names import OOM_GUARD_KEY  # noqa: F401  (tests read it from here)
+from ..comfy_seam.runtime import loaded_model_management
 
 log = logging.getLogger("h3_multigpu")
 GIB = 1 << 30
@@ -123,7 +124,7 @@ def release_pack_memory() -> PackMemory:
         streamer = prefetch.streamer
         if streamer is not None and streamer.prepared and not streamer._running:
             streamer.release_device()
-    mm = sys.modules.get("comfy.model_management")
+    mm = loaded_model_management()
     if mm is not None and hasattr(mm, "soft_empty_cache"):
         mm.soft_empty_cache()
     elif torch.cuda.is_available() and torch.cuda.is_initialized():

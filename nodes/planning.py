@@ -76,16 +76,12 @@ def comfy_attention() -> str | None:
     """The kernel ComfyUI's `optimized_attention` runs here, or None outside ComfyUI (its
     attention module is read only once ComfyUI imported it) or for a kernel the planner has no
     rates for (split / sub-quadratic attention: CPU and old GPUs)."""
-    import sys
+    from ..comfy_seam.runtime import loaded_optimized_attention
 
-    # ComfyUI internal: `optimized_attention`, a module global of comfy.ldm.modules.attention
-    # set at import by the flags, which H3's model module imports by name (so the H3 module's
-    # copy is what its blocks call); 0.33.0 and the newest files
-    for name in ("comfy.ldm.minimax.model", "comfy.ldm.modules.attention"):
-        function = getattr(sys.modules.get(name), "optimized_attention", None)
-        if function is not None:
-            return COMFY_ATTENTION_KERNELS.get(getattr(function, "__name__", ""))
-    return None
+    function = loaded_optimized_attention()
+    if function is None:
+        return None
+    return COMFY_ATTENTION_KERNELS.get(getattr(function, "__name__", ""))
 
 
 def checkpoint_attention(patcher: Any) -> str | None:

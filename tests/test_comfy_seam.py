@@ -43,6 +43,8 @@ TOKENS = (
         names.PREPARE_SAMPLING, names.ON_LOAD, names.ON_DETACH, names.ON_CLEANUP,
         names.ON_APPLY_HOOKS)),
     (f'["{names.STATUS_KEY}"]', re.escape(f'["{names.STATUS_KEY}"]')),
+    # a ComfyUI module looked up without importing it (comfy_seam.runtime's loaded_* do that)
+    ("sys.modules lookup of comfy", r"""sys\.modules(?:\.get\(|\[)\s*f?["']comfy"""),
 )
 # (ComfyUI's public node API, comfy_api.latest, is what a node pack is made of: allowed. The
 # "dit" patch group is not searched for: the planner names its DiT component "dit".)
