@@ -44,7 +44,7 @@ TOKENS = (
         names.ON_APPLY_HOOKS)),
     (f'["{names.STATUS_KEY}"]', re.escape(f'["{names.STATUS_KEY}"]')),
     # a ComfyUI module looked up without importing it (comfy_seam.runtime's loaded_* do that)
-    ("sys.modules lookup of comfy", r"""sys\.modules(?:\.get\(|\[)\s*f?["']comfy"""),
+    ("sys.modules lookup of comfy", r"""sys\s*\.\s*modules\s*(?:\.\s*get\s*\(|\[)\s*f?["']comfy"""),
 )
 # (ComfyUI's public node API, comfy_api.latest, is what a node pack is made of: allowed. The
 # "dit" patch group is not searched for: the planner names its DiT component "dit".)
