@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--dynamic", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--inject-oom-tokens", type=int, default=None,
                    help="raise OOM in a block with more rows (default: only with --tiny)")
-    p.add_argument("--workdir", default="/tmp/h3_bench")
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "h3_bench"))
     args = p.parse_args(argv)
     args.size, args.weights, args.text_tokens = ("tiny" if args.tiny else "full",
                                                  "int8_convrot", 16 if args.tiny else 256)

@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--cap-gib", type=float, default=None)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--variants", default="stock,pack,pack+chunking")
-    p.add_argument("--workdir", default="/tmp/h3_bench")
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "h3_bench"))
     return p.parse_args(argv)
 
 
