@@ -50,7 +50,7 @@ from ..chunking.formats import (
 from ..comfy_seam import clones as comfy_clones
 from ..comfy_seam import names, protocol
 from ..comfy_seam.h3 import forward_options, sampled_patcher, weight_format
-from ..comfy_seam.memory import free_vram_bytes
+from ..comfy_seam.memory import free_vram_bytes, is_dynamic
 from ..dual_sage.shard_plan import parse_devices, validate_devices
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
@@ -779,8 +779,11 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
                          "needs a MiniMax H3 model")
     root = _root_device(model_patcher)
     devices = resolve_devices(root, config.helpers)
+    # under DynamicVRAM the mode runs on ComfyUI-managed helper clones only (each its own VBARs,
+    # LoRA at op time): the pack's own binding would copy each module's unpatched host weight
+    # and the helper's linears would take ComfyUI's VBAR cast bound to the root
     mode = SequenceParallel(diffusion_model, model_patcher.model, devices, config,
-                            dynamic_vram=under_dynamic_vram(model_patcher),
+                            dynamic_vram=is_dynamic(model_patcher),
                             clone_refusal=comfy_clones.clone_refusal(model_patcher))
 
     patched = model_patcher.clone()
@@ -795,21 +798,6 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
     # run-time refusals rewrite the line there
     mode.sinks.append(protocol.record_status(patched, "sequence", mode.status()))
     return patched
-
-
-def under_dynamic_vram(model_patcher: Any) -> bool:
-    """Whether ComfyUI streams this model with DynamicVRAM (comfy-aimdo).
-
-    ComfyUI internal: `ModelPatcher.is_dynamic()`, True for the `ModelPatcherDynamic` its loader
-    picks then (ComfyUI 0.33.0 and the newest files; clones keep the class). The mode runs there
-    on ComfyUI-managed helper clones (each its own VBARs, LoRA applied at op time by ComfyUI);
-    our own binding cannot (it would copy each module's unpatched host `weight`, and the
-    helper's linears would take ComfyUI's VBAR cast bound to the root), so without clones the
-    mode stays off."""
-    is_dynamic = getattr(model_patcher, "is_dynamic", None)
-    return bool(is_dynamic()) if callable(is_dynamic) else False
-
-
 def get_sequence_parallel(model_patcher: Any) -> SequenceParallel | None:
     """The mode installed on a patcher (its block patches carry it), if any."""
     for patch in protocol.block_patches(model_patcher).values():
