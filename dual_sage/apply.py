@@ -43,7 +43,7 @@ from ..comfy_seam.h3 import preferred_function
 from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
 from ..guard.device import device_context
-from ..kernels import backend_names
+from ..kernels import backend_names, backend_refusal
 from ..kernels.comfy_calling import backend_function
 from . import sizing
 from .exactness import ExactRange, claim, function_name
@@ -87,6 +87,9 @@ class DualSageConfig:
         if self.backend != COMFYUI_FUNCTION and self.backend not in backend_names():
             raise ValueError(f"attention backend {self.backend!r} is unknown; use "
                              f"{COMFYUI_FUNCTION!r} or one of {backend_names()}")
+        refusal = backend_refusal(self.backend)
+        if refusal is not None:
+            raise ValueError(f"backend={self.backend!r}: {refusal}")
         if self.min_tokens is not None and self.min_tokens < 0:
             raise ValueError(f"min_tokens={self.min_tokens} must be >= 0 (or 'auto')")
         if (self.chunk_heads is not None and self.chunk_heads < 1) or self.ring_slots < 1:

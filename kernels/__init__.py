@@ -13,6 +13,17 @@ from .registry import (
     use_backend,
 )
 
+
+def backend_refusal(name: str) -> str | None:
+    """Why `name` must not run in this process, before any model is patched with it (None:
+    it may). triton_sage is refused under ComfyUI's DynamicVRAM (see its module)."""
+    if name == "triton_sage":
+        from .triton_sage import dynamic_vram_refusal
+
+        return dynamic_vram_refusal()
+    return None
+
+
 __all__ = [
     "AttentionBackend",
     "AttentionCall",
@@ -21,6 +32,7 @@ __all__ = [
     "ShapeRule",
     "attention",
     "backend_names",
+    "backend_refusal",
     "get_backend",
     "list_backends",
     "mark_unavailable",

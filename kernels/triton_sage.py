@@ -88,9 +88,27 @@ def fp8_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= CONSTRAINTS["fp8_min_compute_capability"]
 
 
+DYNAMIC_VRAM_REFUSAL = (
+    "triton_sage is refused while ComfyUI's DynamicVRAM (comfy-aimdo) is on: the process "
+    "crashed (segfault) running this kernel under it on NVIDIA, and the kernel is at most 1.06x "
+    "PyTorch's SDPA; use the 'comfyui' attention (ComfyUI's own, exact), or start ComfyUI with "
+    "--disable-dynamic-vram to use triton_sage")
+
+
+def dynamic_vram_refusal() -> str | None:
+    """The refusal while ComfyUI runs DynamicVRAM, else None.
+
+    Under comfy-aimdo a run of this kernel crashed the whole process (no Python error to
+    catch), so the kernel never launches there: a refusal costs the user 6% at most, a crash
+    costs their ComfyUI session."""
+    from ..comfy_seam.memory import dynamic_vram_enabled
+
+    return DYNAMIC_VRAM_REFUSAL if dynamic_vram_enabled() else None
+
+
 def is_available(device: torch.device | str | int | None = None) -> tuple[bool, str]:
     """Whether the kernel can run on `device` (default: the current GPU), and why (not)."""
-    error = _triton_error()
+    error = _triton_error() or dynamic_vram_refusal()
     if error is not None:
         return False, error
     if not torch.cuda.is_available():
@@ -163,6 +181,9 @@ def attention_with_config(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: to
     power of two of S). profile: a dict that receives
     the compiled attention kernel under "attn" (for its registers, spills and assembly).
     """
+    refusal = dynamic_vram_refusal()
+    if refusal is not None:  # before any launch: see dynamic_vram_refusal
+        raise RuntimeError(refusal)
     _check(q_BHSD, k_BHSD, v_BHSD, pv_dtype)
     if config is not None:
         config = dict(DEFAULT_CONFIG, **config)
@@ -238,8 +259,8 @@ def _run(kern: ModuleType, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: t
     return out_BSHD.transpose(1, 2)
 
 
-__all__ = ["CONSTRAINTS", "attention_with_config", "fp8_supported", "is_available",
-           "triton_sage_attention"]
+__all__ = ["CONSTRAINTS", "DYNAMIC_VRAM_REFUSAL", "attention_with_config", "dynamic_vram_refusal",
+           "fp8_supported", "is_available", "triton_sage_attention"]
 
 
 def reference_attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

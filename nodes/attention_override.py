@@ -47,8 +47,12 @@ def make_override(backend: str, previous: Callable[..., Any] | None = None) -> C
 
 def apply_backend_override(model: Any, backend: str) -> Any:
     """Clone `model` (a ModelPatcher) with `backend` as its attention; status recorded."""
+    from ..kernels import backend_refusal
     from .status import record
 
+    refusal = backend_refusal(backend)
+    if refusal is not None:  # named on the node before the model is cloned or patched
+        raise ValueError(f"backend={backend!r}: {refusal}")
     patched = model.clone()
     previous = protocol.override_of(patched)
     protocol.install(patched, "attention",

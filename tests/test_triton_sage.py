@@ -84,6 +84,38 @@ def test_constraints_describe_the_kernel():
     assert ts.CONSTRAINTS["min_compute_capability"] == (8, 0)
 
 
+def test_refused_under_comfyuis_dynamic_vram_before_any_launch(monkeypatch):
+    """Under comfy-aimdo the kernel crashed the process: it must refuse, never launch."""
+    import types
+
+    loads = []
+    monkeypatch.setattr(ts, "_load_kernels", lambda: loads.append(1) or pytest.fail("launched"))
+    monkeypatch.setitem(sys.modules, "comfy.memory_management",
+                        types.SimpleNamespace(aimdo_enabled=True))
+    ok, why = ts.is_available()
+    assert not ok and why == ts.DYNAMIC_VRAM_REFUSAL
+    assert "--disable-dynamic-vram" in why and "'comfyui' attention" in why
+    q = torch.randn(1, 2, 8, 128, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="refused while ComfyUI's DynamicVRAM"):
+        ts.triton_sage_attention(q, q.clone(), q.clone())
+    assert loads == []
+    # the legacy loader (DynamicVRAM off) does not refuse
+    monkeypatch.setitem(sys.modules, "comfy.memory_management",
+                        types.SimpleNamespace(aimdo_enabled=False))
+    assert ts.dynamic_vram_refusal() is None
+
+
+@pytest.fixture(autouse=True)
+def _kernel_refused_under_dynamic_vram(request):
+    """A GPU session under DynamicVRAM (H3_DYNAMIC_VRAM=1) checks the refusal instead of
+    running the kernel, which crashed the process there."""
+    if request.node.get_closest_marker("gpu") and ts.dynamic_vram_refusal() is not None:
+        q = torch.randn(1, 2, 64, 128, dtype=torch.float16, device="cuda")
+        with pytest.raises(RuntimeError, match="DynamicVRAM"):
+            ts.triton_sage_attention(q, q, q)
+        pytest.skip("triton_sage is refused under DynamicVRAM (the refusal was checked)")
+
+
 @pytest.mark.parametrize("bad", ["pv", "head_dim", "dtype", "shape"])
 def test_rejects_bad_calls_before_launch(bad):
     q = torch.randn(1, 2, 8, 128, dtype=torch.float16)
@@ -288,3 +320,24 @@ def test_runs_on_helper_gpu_while_root_is_current():
     # same bits as a call made with cuda:1 current
     with torch.cuda.device(1):
         assert torch.equal(out, ts.triton_sage_attention(q, k, v))
+
+
+def test_dual_sage_and_the_attention_node_refuse_it_before_touching_the_model(monkeypatch):
+    """The refusal reaches the user on the node, before a clone or patch of the model."""
+    import types
+
+    from h3_multigpu.dual_sage import DualSageConfig
+    from h3_multigpu.nodes.attention_override import apply_backend_override
+
+    monkeypatch.setitem(sys.modules, "comfy.memory_management",
+                        types.SimpleNamespace(aimdo_enabled=True))
+    with pytest.raises(ValueError, match="backend='triton_sage': triton_sage is refused"):
+        DualSageConfig(backend="triton_sage")
+
+    class Model:
+        def clone(self):
+            pytest.fail("cloned before the refusal")
+
+    with pytest.raises(ValueError, match="--disable-dynamic-vram"):
+        apply_backend_override(Model(), "triton_sage")
+    DualSageConfig(backend="sdpa")  # other backends are not refused
