@@ -133,7 +133,9 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.float:stochastic_rounding", used_by="loader.stochastic_round"),
     # ---- memory, devices, progress
     _i(f"{MM}:get_free_memory", used_by="memory.free_vram_bytes"),
-    _i(f"{MM}:get_torch_device", used_by="nodes.v3_upscale"),
+    _i(f"{MM}:get_torch_device", used_by="nodes.v3_upscale, memory.comfy_runs_on_cpu"),
+    _i(f"{MM}:EXTRA_RESERVED_VRAM", used_by="memory.vram_budget"),
+    _i("nodes:NODE_CLASS_MAPPINGS", used_by="runtime.comfy_nodes"),
     _i(f"{MM}:get_all_torch_devices", used_by="nodes.devices"),
     _i(f"{MM}:get_total_memory", used_by="nodes.comfy_placement"),
     _i(f"{MM}:free_memory", used_by="decode.core, nodes.comfy_placement, sequence"),

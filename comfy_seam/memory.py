@@ -88,6 +88,55 @@ def _fraction_capped(device: torch.device, free: int) -> int:
     return min(free, int(total * fraction) - torch.cuda.memory_reserved(device))
 
 
+# ------------------------------------------------------------------------------ the budget
+def comfy_runs_on_cpu() -> bool | None:
+    """True when ComfyUI computes on the CPU although torch may see GPUs (`--cpu`: 0.33.0 and
+    newest `model_management.get_torch_device()` is the CPU); None outside ComfyUI."""
+    mm = comfy_model_management()
+    if mm is None or not hasattr(mm, "get_torch_device"):
+        return None
+    return torch.device(mm.get_torch_device()).type == "cpu"
+
+
+@dataclass(frozen=True)
+class VramBudget:
+    """What one GPU may hold for this ComfyUI: the card less what the process may not take."""
+
+    index: int
+    total_bytes: int
+    budget_bytes: int
+    limits: tuple[str, ...]  # what lowers it below the card, in words ("" when nothing)
+
+    def describe(self) -> str:
+        gib = 1024**3
+        if not self.limits:
+            return f"all {self.total_bytes / gib:.1f} GiB"
+        return (f"{self.budget_bytes / gib:.1f} of {self.total_bytes / gib:.1f} GiB "
+                f"({'; '.join(self.limits)})")
+
+
+def vram_budget(index: int) -> VramBudget:
+    """gpu:`index`'s memory as this process may use it: the card, capped by torch's
+    per-process memory fraction (an emulated smaller card) and less ComfyUI's
+    `--reserve-vram` (0.33.0 and newest: `model_management.EXTRA_RESERVED_VRAM`, which
+    ComfyUI keeps free beside every model it loads)."""
+    gib = 1024**3
+    total = int(torch.cuda.get_device_properties(index).total_memory)
+    budget, limits = total, []
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None and torch.cuda.is_initialized():
+        fraction = float(get_fraction(index))
+        if fraction < 1.0:
+            budget = int(total * fraction)
+            limits.append(f"torch memory fraction {fraction:.3g}: {budget / gib:.1f} GiB")
+    mm = comfy_model_management()
+    reserved = int(getattr(mm, "EXTRA_RESERVED_VRAM", 0) or 0) if mm is not None else 0
+    if reserved > 0:
+        limits.append(f"ComfyUI keeps {reserved / gib:.1f} GiB free (--reserve-vram)")
+        budget = min(budget, total - reserved)
+    return VramBudget(index, total, max(budget, 0), tuple(limits))
+
+
 # ------------------------------------------------------------------------------ DynamicVRAM
 def dynamic_vram_enabled() -> bool | None:
     """ComfyUI's DynamicVRAM switch (`comfy.memory_management.aimdo_enabled`, 0.33.0 and

@@ -48,6 +48,13 @@ def nodes_multigpu() -> ModuleType | None:
     return _module("comfy_extras.nodes_multigpu")
 
 
+def comfy_nodes() -> ModuleType | None:
+    """ComfyUI's `nodes` module (its NODE_CLASS_MAPPINGS registry) when ComfyUI has imported
+    it; never imported here: outside ComfyUI a top-level `nodes` may be another package."""
+    module = sys.modules.get("nodes")
+    return module if hasattr(module, "NODE_CLASS_MAPPINGS") else None
+
+
 def loaded_model_management() -> ModuleType | None:
     """`comfy.model_management` only if ComfyUI has imported it (never imports it: the OOM and
     cancel guards run in the CLI and the twin tests too, where importing it would start

@@ -91,12 +91,15 @@ def check_index(index: int, gpus: list[GpuInfo], role: str) -> str | None:
 
 
 def gpu_inventory() -> list[GpuInfo]:
-    """The GPUs torch can use here (CUDA or ROCm), in ComfyUI's gpu:N order."""
+    """The GPUs this ComfyUI computes on (CUDA or ROCm), in ComfyUI's gpu:N order: none when
+    ComfyUI runs on the CPU (`--cpu`) even where torch sees GPUs."""
     try:
         import torch
     except ImportError:
         return []
-    if not torch.cuda.is_available():
+    from ..comfy_seam.memory import comfy_runs_on_cpu
+
+    if not torch.cuda.is_available() or comfy_runs_on_cpu():
         return []
     found = []
     for i in range(torch.cuda.device_count()):

@@ -123,6 +123,8 @@ def should_release_text_encoder(mode: str, plan=None, placement: Placement | Non
         return True, "release requested"
     if mode == "never":
         return False, "kept loaded (release set to never)"
+    if placement is not None and placement.root is None:
+        return False, "no GPU on this server: left to ComfyUI (the pack is not active)"
     if placement is not None and not placement.multi_gpu:
         return True, "the DiT shares its GPU: the text encoder leaves after encoding"
     if plan is None:

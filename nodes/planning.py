@@ -21,22 +21,55 @@ def profiles() -> list[str]:
 def make_plan(*, pass2_width: int, pass2_height: int, pass1_width: int, pass1_height: int,
               seconds: float, devices: str, lora_rank: int, parallel: str = "auto",
               dynamic_vram: str = "auto", pinned_budget_bytes: int | None = None,
-              attention: str = "auto") -> Any:
+              attention: str = "auto", model_request: dict[str, Any] | None = None,
+              one_pass: bool = False) -> Any:
     """plan_job for the two-pass job; ValueError for bad input, PlannerUnavailable if absent.
     `dynamic_vram` / `pinned_budget_bytes` / `attention`: what this ComfyUI runs with
-    (`comfy_loader_inputs`); attention "auto" on this machine is what ComfyUI would run."""
+    (`comfy_loader_inputs`); attention "auto" on this machine is what ComfyUI would run.
+    `model_request`: PlanRequest fields read from the loaded model (its weight format);
+    `one_pass`: the graph samples once (no PASS1 before an upscale)."""
     try:
         from ..planner import PlanRequest, plan_job
     except ImportError as exc:
         raise PlannerUnavailable(f"the planner is not importable ({exc})") from exc
     if attention == "auto" and devices == "auto":
         attention = comfy_attention() or "auto"
+    profile = this_server_profile() if devices == "auto" else devices
     request = PlanRequest(width=pass2_width, height=pass2_height, seconds=seconds,
                           pass1_width=pass1_width, pass1_height=pass1_height,
-                          profile=devices, lora_rank=lora_rank, parallel=parallel,
+                          profile=profile, lora_rank=lora_rank, parallel=parallel,
                           dynamic_vram=dynamic_vram, pinned_budget_bytes=pinned_budget_bytes,
-                          attention=attention)
+                          attention=attention, **(model_request or {}),
+                          **({"pass1_steps": 0} if one_pass else {}))
     return plan_job(request)
+
+
+def no_gpu_message() -> str:
+    """devices='auto' on a server with no GPU ComfyUI computes on, in the node's words."""
+    return ("devices='auto': this server has no GPU that ComfyUI computes on (no CUDA/ROCm GPU, "
+            "or ComfyUI started with --cpu); set devices to a profile name (" + ", ".join(
+                profiles()) + ") to plan for hardware this server does not have")
+
+
+def this_server_profile() -> Any:
+    """This server's GPUs as the planner's profile, each with the memory ComfyUI may use on it
+    (the card less `--reserve-vram`, capped by a per-process memory fraction): the plan is
+    made for the budget, not for the card."""
+    from dataclasses import replace
+
+    from ..comfy_seam.memory import vram_budget
+    from ..planner.hardware import detect_hardware
+    from .devices import gpu_inventory
+
+    if not gpu_inventory():
+        raise ValueError(no_gpu_message())
+    profile = detect_hardware()
+    budgets = [vram_budget(i) for i in range(profile.gpu_count)]
+    gpus = tuple(replace(g, memory_bytes=b.budget_bytes) for g, b in zip(profile.gpus, budgets,
+                                                                         strict=True))
+    limited = [f"gpu:{b.index} {b.describe()}" for b in budgets if b.limits]
+    notes = (*profile.notes, *(f"planned for ComfyUI's budget: {line}" for line in limited))
+    return replace(profile, gpus=gpus, notes=notes)
 
 
 def comfy_loader_inputs(devices: str, patcher: Any = None) -> dict[str, Any]:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from .comfy_types import CATEGORY, LatentUpscaleModel, Plan, preview_text
-from .devices import gpu_inventory, parse_device
+from .devices import parse_device
 from .features import apply_decode_plan, apply_plan
 from .model_check import check_h3_model
 from .placement import Placement, decide_placement, placement_from_plan
 from .planning import PlannerUnavailable, comfy_loader_inputs, make_plan
+from .server import gather
 from .status import FEATURES, comfyui_support_line, compose_status, hooks_line
 from .v3_plan import check_sizes, parallel_input, size_inputs
 
@@ -48,17 +49,31 @@ def _outputs() -> list:
 
 def run_dropin(model, clip, vae, audio_vae, latent_upscale_model, plan, sizes: dict,
                root_gpu: str = "auto", helper_gpu: str = "auto",
-               disabled: tuple[str, ...] = ()) -> tuple:
-    """The drop-in's work, shared by the plain and the Advanced node."""
+               disabled: tuple[str, ...] = (), prompt=None, node_id=None) -> tuple:
+    """The drop-in's work, shared by the plain and the Advanced node. `prompt` / `node_id`:
+    ComfyUI's hidden PROMPT and UNIQUE_ID, to name the graph's passes in the status."""
     from .comfy_placement import place_clip, place_model, place_upscaler, place_vae
 
     check_h3_model(model)  # a foreign or mislabelled DiT is named before anything moves
-    gpus = gpu_inventory()
+    server = gather(model, prompt, node_id)
+    gpus = list(server.gpus)
     extra: list[str] = []
+    support = _support_line(server)
+    if not gpus:
+        # nothing to place or share: the graph runs on ComfyUI's defaults; a profile still
+        # gets its plan, as a preview of that hardware
+        if plan is None and sizes["devices"] != "auto":
+            plan = make_plan(**sizes, **_model_inputs(server))
+        placement = placement_from_plan(None, gpus)
+        status = compose_status(placement=placement, plan=plan, server=server,
+                                inactive="this server has no GPU that ComfyUI computes on",
+                                extra=[support] if support else None)
+        return model, clip, vae, audio_vae, latent_upscale_model, plan, status, placement
     if plan is None:
         try:
             # planned for the loader this model runs with (DynamicVRAM or the legacy one)
-            plan = make_plan(**sizes, **comfy_loader_inputs(sizes["devices"], model))
+            plan = make_plan(**sizes, **comfy_loader_inputs(sizes["devices"], model),
+                             **_model_inputs(server))
         except PlannerUnavailable as exc:
             extra.append(f"planner: {exc}; default placement, no features applied")
     placement = placement_from_plan(plan, gpus)
@@ -88,18 +103,32 @@ def run_dropin(model, clip, vae, audio_vae, latent_upscale_model, plan, sizes: d
         lines = {name: "NOT ACTIVE: no plan" for name in FEATURES if name != "attention"}
     if placement.root is not None:  # the video VAE sits on the helper: share its decode
         vae, lines["decode"] = apply_decode_plan(vae, plan, placement.helper)
-    try:
-        import nodes as comfy_nodes  # ComfyUI's registry of node classes
-
-        extra.append(comfyui_support_line(comfy_nodes.NODE_CLASS_MAPPINGS))
-    except ImportError:
-        pass
+    if support:
+        extra.append(support)
     hooks = hooks_line(model)
     if hooks is not None:
         extra.append(hooks)
     status = compose_status(placement=placement, plan=plan, features=lines,
-                            component_notes=notes, extra=extra)
+                            component_notes=notes, extra=extra, server=server)
     return model, clip, vae, audio_vae, latent_upscale_model, plan, status, placement
+
+
+def _model_inputs(server) -> dict:
+    """make_plan's keywords from this server's facts: the loaded DiT's weight format and
+    whether the graph samples once."""
+    out: dict = {"one_pass": server.passes is not None and server.passes.one_pass}
+    dtype = server.model.plan_dtype() if server.model is not None else None
+    if dtype is not None:
+        out["model_request"] = {"dit_dtype": dtype}
+    return out
+
+
+def _support_line(server) -> str | None:
+    """Whether this ComfyUI has H3's nodes (and the graph's upscale), or None outside it."""
+    from ..comfy_seam import runtime
+
+    classes = getattr(runtime.comfy_nodes(), "NODE_CLASS_MAPPINGS", None)
+    return comfyui_support_line(classes, server.passes) if classes is not None else None
 
 
 class H3MultiGPU(io.ComfyNode):
@@ -114,6 +143,8 @@ class H3MultiGPU(io.ComfyNode):
                         "chunking and prefetch, and reports what each GPU does.",
             inputs=[*_component_inputs(), *size_inputs()],
             outputs=_outputs(),
+            # the graph, to say in the status how many passes it samples (never edited)
+            hidden=[io.Hidden.prompt, io.Hidden.unique_id],
         )
 
     @classmethod
@@ -138,7 +169,9 @@ class H3MultiGPU(io.ComfyNode):
         *outputs, status, _ = run_dropin(
             model, clip, vae, audio_vae, latent_upscale_model, plan, sizes,
             root_gpu=advanced.get("root_gpu", "auto"),
-            helper_gpu=advanced.get("helper_gpu", "auto"), disabled=disabled)
+            helper_gpu=advanced.get("helper_gpu", "auto"), disabled=disabled,
+            prompt=getattr(cls.hidden, "prompt", None),
+            node_id=getattr(cls.hidden, "unique_id", None))
         return io.NodeOutput(*outputs, status, ui=preview_text(status))
 
 

@@ -204,7 +204,7 @@ def test_status_names_every_feature_device_and_degradation():
                 "prefetch": "NOT ACTIVE: offload is not available"}
     text = compose_status(placement=placement, features=features,
                           component_notes=["DiT -> gpu:0 (already there)"])
-    assert text.startswith("H3 Multi-GPU: 1 GPU")
+    assert text.startswith("H3 Multi-GPU: active on 1 GPU")
     for expected in ("one device for everything: gpu:0 NVIDIA GeForce RTX 5060 Ti 16 GiB",
                      "dual_sage: off: only one GPU", "chunking: ffn 8192 tokens",
                      "prefetch: NOT ACTIVE", "note: only one GPU", "predicted peak: no plan"):
@@ -214,8 +214,10 @@ def test_status_names_every_feature_device_and_degradation():
 def test_status_reports_the_plans_peaks_per_gpu():
     plan = _plan("2xR9700", seconds=12)
     text = compose_status(placement=placement_from_plan(plan, PAIR), plan=plan)
-    assert "plan 2xR9700" in text
-    peaks = re.findall(r"predicted peak gpu:(\d) ([\d.]+) of ([\d.]+) GiB", text)
+    # a plan for a profile says so: its peaks are the profile's GPUs, not this machine's
+    assert "plan for profile 2xR9700 (AMD Radeon AI PRO R9700 32 GiB, " in text
+    assert "not this machine (fits)" in text
+    peaks = re.findall(r"predicted peak profile 2xR9700 gpu:(\d) ([\d.]+) of ([\d.]+) GiB", text)
     assert {p[0] for p in peaks} == {"0", "1"}
     for index, peak, capacity in peaks:
         gpu = next(g for g in plan.gpus if g.index == int(index))
@@ -432,11 +434,15 @@ def test_sizes_in_bytes():
 
 
 def test_status_says_whether_this_comfyui_runs_the_bundled_workflows():
-    old = comfyui_support_line({"KSampler": object})
+    from h3_multigpu.nodes.server import GraphPasses
+
+    two_pass = GraphPasses(2, "this pack's H3 Latent Upscale")
+    old = comfyui_support_line({"KSampler": object}, two_pass)
     assert old.startswith("ComfyUI: NO MiniMax H3 nodes") and "update ComfyUI" in old
-    assert "MiniMaxH3ImageToVideo" in old and "H3 Latent Upscale" in old
+    assert "MiniMaxH3ImageToVideo" in old and "latent upscale: this pack's H3 Latent" in old
     h3 = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1})
-    assert h3.startswith("ComfyUI: MiniMax H3 nodes present") and "is not needed" in h3
-    newest = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1,
-                                   "MiniMaxH3LatentUpscaleWithModel": 1})
-    assert "is also present" in newest
+    assert h3 == "ComfyUI: MiniMax H3 nodes present"
+    # a one-pass graph without an upscale: no word of one
+    one = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1},
+                               GraphPasses(1, None))
+    assert "upscale" not in one.lower()
