@@ -76,7 +76,7 @@ def peak_lines(plan: Any, placement: Placement) -> list[str]:
     lines = []
     used = {placement.root, placement.helper} - {None}
     ours = plan_is_for_this_server(plan)
-    whose = "" if ours else f"profile {getattr(plan.profile, 'name', '?')} "
+    whose = "" if ours else f"profile {getattr(plan.profile, 'name', 'unnamed')} "
     for gpu in getattr(plan, "gpus", []):
         if ours and used and gpu.index not in used:
             continue

@@ -24,7 +24,7 @@ def test_the_plan_is_timed_with_comfyuis_attention(monkeypatch, function, kernel
     import comfy.ldm.minimax.model as h3
     import comfy.ldm.modules.attention as attention
 
-    import h3_multigpu.planner.plan as plan_module
+    from h3_multigpu.nodes import planning
     from h3_multigpu.nodes.planning import comfy_attention, make_plan
     from h3_multigpu.planner import get_profile
 
@@ -34,7 +34,7 @@ def test_the_plan_is_timed_with_comfyuis_attention(monkeypatch, function, kernel
     monkeypatch.setattr(h3, "optimized_attention", getattr(attention, function))
     assert comfy_attention() == kernel
     # devices 'auto' is this machine (a CPU bed has no GPU): two H200s stand in for it
-    monkeypatch.setattr(plan_module, "detect_hardware", lambda: get_profile("2xH200"))
+    monkeypatch.setattr(planning, "this_server_profile", lambda: get_profile("2xH200"))
     plan = make_plan(**SIZES, devices="auto")
     assert plan.attention.kernel == kernel and plan.attention.requested == kernel
     # a profile name previews other hardware with its own defaults, not this ComfyUI's
