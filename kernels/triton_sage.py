@@ -89,18 +89,20 @@ def fp8_supported(device: torch.device) -> bool:
 
 
 DYNAMIC_VRAM_REFUSAL = (
-    "triton_sage is refused while ComfyUI's DynamicVRAM (comfy-aimdo) is on: the process "
-    "crashed (segfault) running this kernel under it on NVIDIA, and the kernel is at most 1.06x "
-    "PyTorch's SDPA; use the 'comfyui' attention (ComfyUI's own, exact), or start ComfyUI with "
-    "--disable-dynamic-vram to use triton_sage")
+    "triton_sage is refused while ComfyUI's DynamicVRAM (comfy-aimdo) is on: a process running "
+    "it there crashed (segfault) on NVIDIA and the crash is not yet explained, and the kernel is "
+    "at most 1.06x PyTorch's SDPA; use the 'comfyui' attention (ComfyUI's own, exact), or start "
+    "ComfyUI with --disable-dynamic-vram to use triton_sage")
 
 
 def dynamic_vram_refusal() -> str | None:
     """The refusal while ComfyUI runs DynamicVRAM, else None.
 
-    Under comfy-aimdo a run of this kernel crashed the whole process (no Python error to
-    catch), so the kernel never launches there: a refusal costs the user 6% at most, a crash
-    costs their ComfyUI session."""
+    A GPU test session under comfy-aimdo crashed (segfault, no Python error to catch) while
+    this kernel's tests ran. Later runs put the crash in `torch.cuda.empty_cache` after a long
+    session, with this kernel refused, and the kernel ran under comfy-aimdo in a process of its
+    own (tests/triton_dynamic_case.py); until the crash is explained the kernel stays off
+    there: a refusal costs the user 6% at most, a crash costs their ComfyUI session."""
     from ..comfy_seam.memory import dynamic_vram_enabled
 
     return DYNAMIC_VRAM_REFUSAL if dynamic_vram_enabled() else None

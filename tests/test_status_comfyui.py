@@ -117,8 +117,12 @@ def test_on_a_gpu_the_plan_and_the_status_use_comfyuis_budget(tiny_int8, monkeyp
     import torch
 
     from h3_multigpu.comfy_seam import runtime
+    from h3_multigpu.nodes import comfy_placement
     from h3_multigpu.nodes.v3_dropin import run_dropin
 
+    # only the DiT is loaded here: the other components pass (placing them is tested elsewhere)
+    monkeypatch.setattr(comfy_placement, "place_clip", lambda c, i: (c, "text encoder: kept"))
+    monkeypatch.setattr(comfy_placement, "place_vae", lambda v, i, w: (v, f"{w}: kept"))
     GiB = 1024**3
     total = torch.cuda.get_device_properties(0).total_memory
     before = torch.cuda.get_per_process_memory_fraction(0)

@@ -341,3 +341,14 @@ def test_dual_sage_and_the_attention_node_refuse_it_before_touching_the_model(mo
     with pytest.raises(ValueError, match="--disable-dynamic-vram"):
         apply_backend_override(Model(), "triton_sage")
     DualSageConfig(backend="sdpa")  # other backends are not refused
+
+
+@pytest.mark.gpu
+@pytest.mark.comfyui
+def test_the_kernel_itself_runs_under_dynamic_vram_in_a_process_of_its_own():
+    """Evidence for the refusal's scope: the kernel, refusal lifted, under comfy-aimdo (a
+    process of its own, as main.py switches DynamicVRAM on before ComfyUI imports)."""
+    script = os.path.join(os.path.dirname(__file__), "triton_dynamic_case.py")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert "TRITON_UNDER_AIMDO_DONE" in proc.stdout, proc.stdout[-2000:]
