@@ -527,9 +527,11 @@ def test_templates_folder_is_the_one_comfyui_scans():
 
 
 def test_docs_name_every_node_and_title():
+    """docs/nodes.md names every node id, docs/workflows.md every title the client patches."""
     text = (ROOT / "docs" / "nodes.md").read_text()
     for node_id in nodes.NODE_IDS:
         assert f"`{node_id}`" in text, node_id
+    text = (ROOT / "docs" / "workflows.md").read_text()
     for title in TITLES:
         assert f'"{title}"' in text, title
 
@@ -602,12 +604,14 @@ def test_reroutes_carry_exactly_the_wires_they_name(workflow):
         assert len({origins[i] for i in r["linkIds"]}) == 1, r
 
 
-def test_readme_pictures_are_the_browser_screenshots():
-    readme = (ROOT / "README.md").read_text()
+def test_documented_pictures_are_the_browser_screenshots():
+    """docs/workflows.md shows every workflow's picture, the README the first; each is a PNG."""
+    page = (ROOT / "docs" / "workflows.md").read_text()
     for name in NAMES:
         picture = ROOT / "docs" / "images" / f"{name}.png"
         assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
-        assert f"docs/images/{name}.png" in readme
+        assert f"(images/{name}.png)" in page
+    assert f"(docs/images/{NAMES[0]}.png)" in (ROOT / "README.md").read_text()
 
 
 def test_the_column_orders_are_the_fewest_crossings_the_search_finds():

@@ -19,7 +19,7 @@ Needs node (18+), the npm package puppeteer-core and a Chromium: H3_CHROMIUM=/us
 (default ~/.cache/h3-multigpu/browser/node_modules; installed there with npm when missing). The
 frontend is the installed `comfyui-frontend-package`, or the one under H3_FRONTEND_SITE (a
 folder holding that package, e.g. `pip install --target DIR comfyui-frontend-package==1.58.1`).
-H3_SCREENSHOTS=docs/images writes the pictures the README shows.
+H3_SCREENSHOTS=docs/images writes the pictures the README and docs/workflows.md show.
 """
 
 from __future__ import annotations
