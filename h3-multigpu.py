@@ -14,15 +14,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-
-PACKAGE = "h3_multigpu"
+from types import ModuleType
 
 
 def _same_folder(a: str, b: str) -> bool:
     return os.path.normcase(os.path.realpath(a)) == os.path.normcase(os.path.realpath(b))
 
 
-def load_pack():
+def load_pack() -> ModuleType:
     """Import this folder as `h3_multigpu` and return the package."""
     # abspath, not realpath: a folder linked into custom_nodes is imported where it is linked
     here = os.path.dirname(os.path.abspath(__file__))
@@ -35,12 +34,12 @@ def load_pack():
     # release, a checkout elsewhere): the command must plan with the code of the nodes that
     # ComfyUI loads from this folder. Registered before anything imports the name, and any
     # module of it imported already is dropped, so no part comes from elsewhere.
-    for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
+    for name in [n for n in sys.modules if n.partition(".")[0] == "h3_multigpu"]:
         del sys.modules[name]
     spec = importlib.util.spec_from_file_location(
-        PACKAGE, os.path.join(here, "__init__.py"), submodule_search_locations=[here])
+        "h3_multigpu", os.path.join(here, "__init__.py"), submodule_search_locations=[here])
     package = importlib.util.module_from_spec(spec)
-    sys.modules[PACKAGE] = package
+    sys.modules[spec.name] = package
     spec.loader.exec_module(package)
     return package
 
