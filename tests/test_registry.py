@@ -131,3 +131,12 @@ def test_comfyignore_leaves_out_test_and_development_files(comfyignore, path):
 def test_comfyignore_keeps_the_product(comfyignore, path):
     assert (ROOT / path).exists(), f"{path} is no longer in the repository: update the list"
     assert not _ignored(comfyignore, path)
+
+
+def test_triton_is_an_extra_never_a_requirement(pyproject):
+    """kernels/triton_sage.py is opt-in: `pip install comfyui-h3-multigpu[triton]` adds it."""
+    project = pyproject["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    extra = project["optional-dependencies"]["triton"]
+    assert "triton>=3.2; sys_platform != 'win32'" in extra
+    assert "triton-windows>=3.2; sys_platform == 'win32'" in extra
