@@ -18,12 +18,19 @@ EXIT_REFUSED = 2
 
 
 class UsageError(Exception):
-    """A flag argparse refused; raised instead of argparse's own exit so --json can answer."""
+    """A flag argparse refused; raised instead of argparse's own exit so --json can answer.
+
+    `prog` is the parser that refused it ("h3-multigpu" or "h3-multigpu submit"), `usage` its
+    usage line; the message is argparse's alone, so the prefix is printed once."""
+
+    def __init__(self, message: str, prog: str, usage: str):
+        super().__init__(message)
+        self.prog, self.usage = prog, usage
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's hook for every bad flag or value
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(message, self.prog, self.format_usage())
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -155,24 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
     sub.add_parser("profiles", help="list the built-in hardware profiles")
-    try:
-        from .client.cli import add_submit_parser
-    except ImportError:  # the client is optional for planning
-        add_submit_parser = None
-    if add_submit_parser is not None:
-        add_submit_parser(sub)
+    # always listed: without websocket-client, `submit` itself says how to install it
+    from .client.cli import add_submit_parser
+
+    add_submit_parser(sub)
     return parser
 
 
-def _refuse(message: str, as_json: bool, usage: str | None = None, kind: str = "ValueError"
-            ) -> int:
+def _refuse(message: str, as_json: bool, usage: str | None = None, kind: str = "ValueError",
+            prog: str = "h3-multigpu") -> int:
     if as_json:
         print(json.dumps({"event": "error", "error": kind, "message": message,
                           "exit_code": EXIT_REFUSED}))
     else:
         if usage:
             print(usage, file=sys.stderr, end="")
-        print(f"h3-multigpu: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
     return EXIT_REFUSED
 
 
@@ -195,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except UsageError as exc:
-        return _refuse(str(exc), as_json, None if as_json else parser.format_usage(),
-                       "UsageError")
+        return _refuse(str(exc), as_json, exc.usage, "UsageError", exc.prog)
     try:
         if args.command == "plan":
             return _stdout_closed_ok(_run_plan, args)

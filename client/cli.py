@@ -1,11 +1,12 @@
 """`h3-multigpu submit`: the command-line face of `submit()`.
 
 Exit codes: 0 done; 1 the run failed on the server, or an output could not be downloaded or
-saved; 2 the workflow or a flag is wrong, or the server's validation refused the prompt; 3 the
-server cannot be reached or used (connection, 5xx after retries, login refused, TLS certificate
-not trusted); 4 the server answered something that is not ComfyUI's API; 70 an unexpected error
-in this client; 124 --timeout; 130 Ctrl-C; 143 SIGTERM. Whenever a prompt may be queued, its id
-and what was done about it are printed.
+saved; 2 the workflow or a flag is wrong, the server's validation refused the prompt, or
+websocket-client is not installed (only --check runs without it); 3 the server cannot be
+reached or used (connection, 5xx after retries, login refused, TLS certificate not trusted); 4
+the server answered something that is not ComfyUI's API; 70 an unexpected error in this client;
+124 --timeout; 130 Ctrl-C; 143 SIGTERM. Whenever a prompt may be queued, its id and what was
+done about it are printed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .errors import (
     DownloadError,
     ExecutionFailed,
     ExecutionInterrupted,
+    MissingPackage,
     PromptRejected,
     RunTimeout,
     ServerProtocolError,
@@ -35,8 +37,10 @@ from .http import ComfyClient, Deadline
 from .params import parse_size, parse_target
 from .report import JsonReporter, TextReporter
 from .run import prepare, submit
+from .ws import websocket_module
 
 EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
+    (MissingPackage, 2),
     (WorkflowError, 2),
     (PromptRejected, 2),
     (ServerUnavailable, 3),
@@ -172,6 +176,8 @@ def run_submit(args: argparse.Namespace) -> int:
     report = JsonReporter(sys.stdout) if args.json else TextReporter(sys.stderr)
     try:
         with _sigterm_cancels():
+            if not args.check:  # refused before anything is read or sent: it cannot follow
+                websocket_module()
             targets = dict(parse_target(item) for item in args.map)
             params = _params(args)
             client = ComfyClient(args.server, retries=args.retries, on_event=report,

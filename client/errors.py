@@ -107,3 +107,8 @@ class Terminated(KeyboardInterrupt):
 
 class DownloadError(ClientError):
     """An output could not be downloaded intact; the message lists the server-side files."""
+
+
+class MissingPackage(ClientError, ImportError):
+    """A package the command needs is not installed for the Python that runs it; the message
+    names the package and the pip command for that Python."""

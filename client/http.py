@@ -25,9 +25,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import websocket
+from typing import TYPE_CHECKING, Any
 
 from .connection import (
     AnswerLost,
@@ -44,6 +42,10 @@ from .connection import (
 from .download import DEFAULT_MAX_DOWNLOAD_BYTES, exclusive_file, safe_file_name
 from .errors import DownloadError, PromptRejected, ServerProtocolError, ServerUnavailable
 from .schema_check import object_info_problem
+from .ws import websocket_module
+
+if TYPE_CHECKING:
+    import websocket
 
 EventSink = Callable[[dict], None]
 REQUEST_KEY = "h3_multigpu_prompt_id"  # our prompt_id inside extra_data, found in /queue
@@ -375,6 +377,7 @@ class ComfyClient:
 
     def open_ws(self, recv_timeout_s: float = 0.5) -> websocket.WebSocket:
         """Connect the WebSocket under our client id (retrying like HTTP)."""
+        websocket = websocket_module()
         header = [f"Authorization: {self.server.auth_header}"] if self.server.auth_header else None
         sslopt = {"context": self.tls} if self.server.scheme == "https" else None
 

@@ -23,9 +23,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
-
-import websocket
+from typing import TYPE_CHECKING, Any
 
 from . import shape
 from .errors import (
@@ -52,6 +50,10 @@ from .workflow import (
     node_title,
     ui_to_api,
 )
+from .ws import websocket_module
+
+if TYPE_CHECKING:
+    import websocket
 
 FINAL_EVENTS = ("execution_success", "execution_error", "execution_interrupted")
 
@@ -239,6 +241,7 @@ class _Run:
 
     def _follow(self) -> None:
         """Read WebSocket messages until our prompt ends; fall back to /history polling."""
+        websocket = websocket_module()
         last_poll = time.monotonic()
         while True:
             self._check_deadline()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from h3_multigpu import chunking
 from h3_multigpu.dual_sage import (
     DualSageConfig,
     ShardedAttention,
@@ -429,7 +430,6 @@ def test_clones_share_one_runtime(tiny_twin, tiny_inputs):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_composes_with_head_group_chunking_in_either_order(tiny_twin, tiny_inputs, threads):
     torch.set_num_threads(threads)
-    chunking = pytest.importorskip("h3_multigpu.chunking")
     config = chunking.ChunkingConfig(head_group=3, qkv_chunk=16, ffn_chunk=16)
     chunked = chunking.apply_activation_chunking(TwinPatcher(tiny_twin), config)
     reference_out = chunked.apply_model(*tiny_inputs)

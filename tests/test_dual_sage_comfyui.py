@@ -34,6 +34,7 @@ from comfyui_h3 import (
     with_lora,
 )
 
+from h3_multigpu import chunking, offload
 from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage
 from h3_multigpu.dual_sage import sharded as sharded_module
 from h3_multigpu.kernels import AttentionBackend, Constraints, mark_unavailable
@@ -244,7 +245,6 @@ def test_sage_node_and_dual_sage_compose_on_comfyui(order, counting_backend):
 
 
 def test_uneven_head_groups_of_chunking_share_one_workspace(monkeypatch):
-    chunking = pytest.importorskip("h3_multigpu.chunking")
     # the GPU's split-KV rule (enough query tiles per call) scaled to this ~50-row sequence
     monkeypatch.setattr(chunking.sizing, "MIN_QUERY_TILES_PER_CALL", 1)
     config = TinyH3Config(heads=13, adaln="full")
@@ -315,8 +315,6 @@ def test_two_gpus_bf16_equal_unpatched(h3_on_two_gpus, tokens, min_tokens):
 def test_composed_with_chunking_and_prefetch_in_any_order(with_prefetch):
     import itertools
 
-    chunking = pytest.importorskip("h3_multigpu.chunking")
-    offload = pytest.importorskip("h3_multigpu.offload")
     features = {
         "dual_sage": dual,
         # rows of >= 16 per chunk (two threads: fp32 slices of <= 11 rows differ)

@@ -10,6 +10,15 @@ from __future__ import annotations
 
 import pytest
 
+# Imported, never skipped: check_options answers None for a library missing from the
+# install, which would let these tests pass without it.
+from h3_multigpu import (
+    chunking,  # noqa: F401
+    decode,
+    dual_sage,
+    offload,  # noqa: F401
+    sequence,  # noqa: F401
+)
 from h3_multigpu.client.params import parse_size
 from h3_multigpu.client.workflow import api_sort_key
 from h3_multigpu.nodes import inputs
@@ -54,14 +63,12 @@ def test_a_superscript_device_is_named_not_an_int_error():
 
 
 def test_dual_sage_validation_of_a_superscript_min_tokens_and_helper():
-    pytest.importorskip("h3_multigpu.dual_sage")
     message = check_options("dual_sage", helpers="auto", split="auto", min_tokens="²")
     assert message == "min_tokens '²' must be 'auto' or a whole number of tokens, e.g. 8192"
     assert "is not a device" in check_options("dual_sage", helpers="²", split="auto")
 
 
 def test_a_prefetch_lookahead_that_is_not_a_number_is_named():
-    pytest.importorskip("h3_multigpu.offload")
     message = check_options("prefetch", resident_blocks="auto", lookahead="abc")
     assert message == "lookahead='abc' is not a whole number; give e.g. 2"
     assert "at least 1" in check_options("prefetch", resident_blocks="auto", lookahead="0")
@@ -71,7 +78,6 @@ def test_a_prefetch_lookahead_that_is_not_a_number_is_named():
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 1.5, [8192],
                                    "8192.0", True])
 def test_dual_sage_from_strings_refuses_unbounded_min_tokens_with_a_value_error(value):
-    dual_sage = pytest.importorskip("h3_multigpu.dual_sage")
     with pytest.raises(ValueError, match="must be 'auto' or a whole number of tokens"):
         dual_sage.DualSageConfig.from_strings(min_tokens=value)
     assert dual_sage.DualSageConfig.from_strings(min_tokens=8192.0).min_tokens == 8192
@@ -79,7 +85,6 @@ def test_dual_sage_from_strings_refuses_unbounded_min_tokens_with_a_value_error(
 
 
 def test_dual_sage_from_strings_refuses_helpers_and_backends_that_are_not_text():
-    dual_sage = pytest.importorskip("h3_multigpu.dual_sage")
     with pytest.raises(ValueError, match="helpers 5 must be text such as 'gpu:0,gpu:2'"):
         dual_sage.DualSageConfig.from_strings(helpers=5)
     with pytest.raises(ValueError, match="attention backend 5 must be a name"):
@@ -124,7 +129,6 @@ FEATURE_OPTIONS = {
 def test_every_feature_option_the_nodes_validate_refuses_nasty_values_clearly(feature):
     """check_options is what the nodes' validate_inputs run: it must return a message (or
     None), never raise, for any value a workflow file can carry."""
-    pytest.importorskip(f"h3_multigpu.{'offload' if feature == 'prefetch' else feature}")
     defaults = FEATURE_OPTIONS[feature]
     for option in defaults:
         for value in NASTY_VALUES:
@@ -135,7 +139,6 @@ def test_every_feature_option_the_nodes_validate_refuses_nasty_values_clearly(fe
 
 
 def test_the_decode_nodes_options_refuse_nasty_values_clearly():
-    decode = pytest.importorskip("h3_multigpu.decode")
     for option in ("helpers", "shares"):
         for value in NASTY_VALUES:
             if value is None:

@@ -11,7 +11,14 @@ import time
 
 import pytest
 
-from h3_multigpu import geometry
+# Imported, never skipped: check_options answers None for a library missing from the
+# install, which would let these tests pass without it.
+from h3_multigpu import (
+    chunking,
+    dual_sage,  # noqa: F401
+    geometry,
+    offload,  # noqa: F401
+)
 from h3_multigpu.cli import main
 from h3_multigpu.nodes import inputs
 from h3_multigpu.nodes.features import check_options
@@ -163,7 +170,6 @@ def test_plan_node_checks_refuse_unbounded_seconds(seconds):
     ("nan", "is not 'auto' or a size"),
 ])
 def test_prefetch_pinned_budget_overflow_is_refused_clearly(budget, fragment):
-    pytest.importorskip("h3_multigpu.offload")
     with pytest.raises(ValueError, match=fragment):
         inputs.parse_bytes(budget, "pinned_budget")
     message = check_options("prefetch", resident_blocks="auto", pinned_budget=budget)
@@ -178,7 +184,6 @@ def test_prefetch_pinned_budget_overflow_is_refused_clearly(budget, fragment):
     ("56", "has 1 entries for 2 devices"),
 ])
 def test_dual_sage_split_typos_fail_at_validation(split, fragment):
-    pytest.importorskip("h3_multigpu.dual_sage")
     message = check_options("dual_sage", helpers="auto", split=split)
     assert message and fragment in message
     assert check_options("dual_sage", helpers="auto", split="28:28") is None
@@ -186,7 +191,6 @@ def test_dual_sage_split_typos_fail_at_validation(split, fragment):
 
 
 def test_chunk_sizes_that_chunk_nothing_are_not_reported_as_on():
-    chunking = pytest.importorskip("h3_multigpu.chunking")
     config = chunking.ChunkingConfig(ffn_chunk=10**12, head_group=56)
     status = config.status(50, heads=56)
     assert status.startswith("off:") and "exact" not in status
