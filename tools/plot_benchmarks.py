@@ -64,36 +64,35 @@ def _gpus(names: list[str]) -> str:
     return f"{len(names)}x {names[0]}"
 
 
+def _speedup(label: str, speedup: float, where: str, name: str, data: dict) -> Bar:
+    """A measured bit-identical speed-up as a bar (value, words, machine, date, source)."""
+    return Bar(label, speedup, f"{speedup:.2f}x, bit-identical", where, _date(name, data), name)
+
+
 def speed_bars() -> list[Bar]:
     bars = []
     name = "sequence_parallel_7heads.json"
     data = _load(name)
     row = next(r for r in data["rows"] if r["row"] == "pass2_69k")
     assert row["bit_identical"]
-    bars.append(Bar("sequence parallel: PASS2 step, 1312x736 243 f", row["speedup"],
-                    f"{row['speedup']:.2f}x, bit-identical",
-                    f"{_gpus(data['devices'])}, bf16 twin",
-                    _date(name, data), name))
+    bars.append(_speedup("sequence parallel: PASS2 step, 1312x736 243 f", row["speedup"],
+                         f"{_gpus(data['devices'])}, bf16 twin", name, data))
     name = "dual_sage_comfyui_transport_chunks.json"
     data = _load(name)
     step = data["step"]
     assert step["bit_identical"]
-    bars.append(Bar("Dual-Sage: PASS2 step, 1312x736 243 f", step["speedup"],
-                    f"{step['speedup']:.2f}x, bit-identical",
-                    f"{_gpus(data['devices'])}, bf16 twin",
-                    _date(name, data), name))
+    bars.append(_speedup("Dual-Sage: PASS2 step, 1312x736 243 f", step["speedup"],
+                         f"{_gpus(data['devices'])}, bf16 twin", name, data))
     call = next(a for a in data["attention"] if a["S"] == 68706 and a["transport"] == "peer")
     assert call["bit_identical"]
-    bars.append(Bar("Dual-Sage: one attention call, 68,706 tokens", call["speedup"],
-                    f"{call['speedup']:.2f}x, bit-identical", f"{_gpus(data['devices'])}, bf16",
-                    _date(name, data), name))
+    bars.append(_speedup("Dual-Sage: one attention call, 68,706 tokens", call["speedup"],
+                         f"{_gpus(data['devices'])}, bf16", name, data))
     name = "decode.json"
     data = _load(name)
     row = next(r for r in data["rows"] if r["frames"] == 243)
     assert row["exact"]
-    bars.append(Bar("video decode (earlier design): 1312x736 243 f", row["speedup"],
-                    f"{row['speedup']:.2f}x, bit-identical", f"{_gpus(data['gpus'])}, bf16 VAE",
-                    _date(name, data), name))
+    bars.append(_speedup("video decode (earlier design): 1312x736 243 f", row["speedup"],
+                         f"{_gpus(data['gpus'])}, bf16 VAE", name, data))
     name = "release_step243_033_int8_dynamic.json"
     data = _load(name)
     pack = data["variants"]["pack"]
