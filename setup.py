@@ -11,13 +11,12 @@ from __future__ import annotations
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
-# Test and development code: the tests, benchmarks, schema capture tools and the twin model
-# the tests time. Product code imports none of them.
-DEV_PACKAGES = ["tests", "tests.*", "bench", "bench.*", "tools", "tools.*", "twin", "twin.*"]
+# Test and development code: the tests (the twin model the tests time lives in tests/twin) and
+# dev/ (benchmarks, schema capture tools, the workflow layout engine). Product code imports none.
+DEV_PACKAGES = ["tests", "tests.*", "dev", "dev.*"]
 # Folders shipped for their data only: the bundled workflows (pyproject.toml's package-data).
-# Their .py files generate the JSON and are development code; product code imports none. They
-# are listed as packages because setuptools warns about, and may one day drop, a data folder
-# that is not one.
+# They hold no modules (dev/workflow_layout writes them); they are listed as packages because
+# setuptools warns about, and may one day drop, a data folder that is not one.
 DATA_PACKAGES = ["h3_multigpu.workflows", "h3_multigpu.workflows.api"]
 
 

@@ -103,7 +103,7 @@ class ChunkingConfig:
         A row chunk at least as long as any sequence H3's nodes can make splits no call, and a
         head group of all the model's heads is one attention call, as without chunking.
         """
-        from ..geometry import MAX_SEQUENCE_TOKENS
+        from ..common.geometry import MAX_SEQUENCE_TOKENS
 
         idle = {}
         for name in ("ffn_chunk", "qkv_chunk"):

@@ -8,7 +8,8 @@ from functools import cache
 import torch
 
 from ..comfy_seam import h3 as seam_h3
-from . import exact_rows, sizing
+from ..common import exact_rows
+from . import sizing
 
 
 def block_linears(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -87,5 +88,5 @@ def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtyp
     assumed = "" if table is not None or not gpu or not plain else (
         f"{name} {dtype_name} is not in chunking/exact_rows.json: row chunks of >= "
         f"{sizing.EXACT_MIN_ROWS:,} rows are taken as exact, as measured on other GPUs; "
-        "bench/sweep_chunk_exactness.py measures this one")
+        "dev/bench/sweep_chunk_exactness.py measures this one")
     return sizing.RowFloors.of_rules(found["qkv"], found["ffn"], assumed=assumed)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .. import geometry
+from ..common import geometry
 
 MLP_KERNELS = ("twin", "comfy", "comfy_int8")
 ROW_ALIGN = 128  # chunk rows are rounded to GEMM tile multiples so every chunk is a full-tile GEMM
@@ -47,7 +47,7 @@ HEAD_GROUP_CANDIDATES = (28, 16, 8, 4)
 # chunks are honoured and reported as "may differ at bf16 rounding". On-activation adapters add
 # GEMMs of a few output columns whose kernel moves with the row count up to 8,192 rows (or never
 # settles): `exact_rows` holds the measured floors per GPU and shape, and `RowFloors` carries a
-# block's floors per phase. `bench/sweep_chunk_exactness.py` measures them on the GPU at hand.
+# block's floors per phase. `dev/bench/sweep_chunk_exactness.py` measures them on the GPU at hand.
 EXACT_MIN_ROWS = 4096
 MIN_AUTO_CHUNK_ROWS = EXACT_MIN_ROWS  # "auto" and the planner never chunk rows below the floor
 # A call with few heads x few query tiles makes flash attention split the keys across blocks
@@ -198,7 +198,7 @@ def planned_floors(dims: BlockDims, adapters: Adapters,
 
 @lru_cache(maxsize=256)
 def _planned_floors(dims: BlockDims, adapters: Adapters, weight_format: str) -> RowFloors:
-    from . import exact_rows
+    from ..common import exact_rows
 
     counts = {"qkv_proj": adapters.qkv, "out_proj": adapters.out_proj, "fc1": adapters.fc1,
               "fc2": adapters.fc2}
@@ -260,7 +260,7 @@ def exactness_note(ffn_chunk: int | str, qkv_chunk: int | str, head_group: int |
     on the unchunked call's kernels; a phase without a known floor (an on-activation adapter
     nobody measured on this GPU) is not claimed exact. Heads: groups of at least
     EXACT_MIN_HEADS keep flash attention free of split-KV (`head_groups` enlarges them on short
-    sequences). `bench/sweep_chunk_exactness.py` measures the floors on other GPUs.
+    sequences). `dev/bench/sweep_chunk_exactness.py` measures the floors on other GPUs.
     """
     floors = RowFloors() if floors is None else floors
     reasons = [*row_reasons("ffn", ffn_chunk, floors), *row_reasons("qkv", qkv_chunk, floors),
@@ -458,7 +458,7 @@ def block_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *, ffn_chunk: i
 def unchunked_block_peak_bytes(tokens: int, dims: BlockDims = BlockDims(), *,
                                adapters: Adapters = Adapters(),
                                kernels: Kernels = Kernels()) -> BlockPeak:
-    """The plain twin/upstream block: x and h alive in both phases, M0 included."""
+    """The plain tests/twin/upstream block: x and h alive in both phases, M0 included."""
     return block_peak_bytes(tokens, dims, adapters=adapters, kernels=kernels)
 
 

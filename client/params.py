@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..geometry import snap_frames, validate_canvas
+from ..common.geometry import snap_frames, validate_canvas
 from .errors import Problem, WorkflowError, shown
 from .validate import is_h3_class
 from .workflow import ApiPrompt, describe_node, node_title

@@ -19,7 +19,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..geometry import validate_canvas, validate_frames
+from ..common.geometry import validate_canvas, validate_frames
 from ..nodes import inputs as node_inputs
 from . import editor
 from . import server_rules as rules

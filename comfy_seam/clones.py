@@ -158,7 +158,7 @@ def _closure_object(fn: Any, method: str) -> Any:
 
 
 def _on_device(injection: Any, device: torch.device) -> Any:
-    from ..guard.device import device_context
+    from .devices import device_context
 
     inject, eject = injection.inject, injection.eject
 

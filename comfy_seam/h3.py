@@ -2,7 +2,7 @@
 
 Every function here names the ComfyUI internal it relies on; `internals.INTERNALS` lists them
 with the releases they were checked on, and a `comfyui` test resolves each on every bed. The
-twin (`h3_multigpu.twin`) answers the same questions with its own names, so the features run
+twin (`twin`) answers the same questions with its own names, so the features run
 unchanged on both.
 """
 

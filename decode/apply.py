@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..comfy_seam import names, protocol
-from ..dual_sage.shard_plan import parse_devices, validate_devices
+from ..common.devices import parse_devices, validate_devices
 from . import core, sizing
 from .executor import DecodeReport, DeviceShare, NotFollowed, SplitDecode
 from .release import check_splittable, release_shape

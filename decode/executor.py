@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from ..comfy_seam import vae
+from ..comfy_seam.devices import device_context
 from ..exchange.streams import current_stream, new_stream, on_streams, record, wait
-from ..guard.device import device_context
 from ..guard.interrupt import is_interrupt
 from .replica import drop_restored_methods, make_replica
 from .windows import WindowLayout

@@ -35,19 +35,20 @@ from typing import Any
 
 import torch
 
-from .. import geometry
 from ..comfy_seam import names, protocol
 from ..comfy_seam.attention import RecordAttentionModule, running_attention_module
+from ..comfy_seam.devices import device_context
 from ..comfy_seam.h3 import default_attention as seam_default_attention
 from ..comfy_seam.h3 import preferred_function
+from ..common import geometry
+from ..common.devices import parse_devices, validate_devices
 from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
-from ..guard.device import device_context
 from ..kernels import backend_names, backend_refusal
 from ..kernels.comfy_calling import backend_function
 from . import sizing
 from .exactness import ExactRange, claim, function_name
-from .shard_plan import ShardPlan, parse_devices, parse_split, validate_devices
+from .shard_plan import ShardPlan, parse_split
 from .sharded import Attend, ShardedAttention, warn_once
 
 log = logging.getLogger(__name__)

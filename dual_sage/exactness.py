@@ -7,10 +7,10 @@ PyTorch SDPA's kernels choose by shape: FlashAttention-2 splits the key range (a
 summation order) when heads x row blocks are too few to fill the GPU, so a subset of few heads
 at a short length comes out different in the last bits. `exact_range.json` holds, per SDPA
 backend, the fewest heads x rows per SM at which a subset call is still exact (measured with
-`bench/bench_split_exactness.py`; the lead regenerates it from the sweep's JSON). Dual-Sage
+`dev/bench/bench_split_exactness.py`; the lead regenerates it from the sweep's JSON). Dual-Sage
 sizes helper chunks to stay at or above it and keeps a call whole on the root otherwise.
 
-On the CPU (`bench/bench_split_exactness_cpu.py`, the file's "cpu" entry): ComfyUI's
+On the CPU (`dev/bench/bench_split_exactness_cpu.py`, the file's "cpu" entry): ComfyUI's
 sub-quadratic (its CPU default), SDPA and basic attention give a subset of 2 or more heads the
 whole call's bits, fp32 and bf16, with 1, 2 or 4 threads; a 1-head call differs once torch runs
 more than one thread (fp32 with all three, bf16 with SDPA; one matrix is then split over the
@@ -86,7 +86,7 @@ class ExactRange:
         if device.type == "cpu":
             threads = torch.get_num_threads()
             return (f"subsets of >= {self.cpu_heads()} heads on the CPU with {threads} "
-                    f"thread{'s' if threads != 1 else ''}, bench/bench_split_exactness_cpu.py")
+                    f"thread{'s' if threads != 1 else ''}, dev/bench/bench_split_exactness_cpu.py")
         if device.type != "cuda":
             return f"no exact range measured on {device.type}: calls stay whole"
         backend = sdpa_backend(device, dtype, head_dim)

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from ..offload.arena import HostBuffer
+from ..common.arena import HostBuffer
 
 log = logging.getLogger(__name__)
 _warned = False

@@ -20,33 +20,21 @@ outermost in its ORDER):
   pack's buffers and explains the error (installed with the guard, once).
 Object patches wrap whatever the patcher already resolves (another pack's patch included).
 
-`device_context(device)` is the one place that makes a device current (tests replace it).
+`device_context` (comfy_seam.devices) is the one place that makes a device current (tests
+replace this module's name for it).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..comfy_seam import names, protocol
+from ..comfy_seam.devices import device_context
 from ..comfy_seam.h3 import sampled_patcher
 
 TEXT_ENCODER_METHODS = ("encode_token_weights",)
 VAE_METHODS = ("encode", "decode")
-
-
-def device_context(device: Any) -> contextlib.AbstractContextManager:
-    """Make `device` current while the block runs (CUDA/ROCm and XPU; nothing elsewhere)."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is not None:
-        return torch.cuda.device(device)
-    xpu = getattr(torch, "xpu", None)
-    if device.type == "xpu" and device.index is not None and xpu is not None:
-        return xpu.device(device)
-    return contextlib.nullcontext()
 
 
 def _tensors(obj: Any) -> Iterator[Any]:

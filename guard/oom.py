@@ -91,7 +91,7 @@ def _prefetchers() -> list[Any]:
 
 def pack_memory() -> PackMemory:
     """Count what the pack holds now (modules never imported hold nothing)."""
-    from ..offload.arena import LIVE_BUFFERS
+    from ..common.arena import LIVE_BUFFERS
 
     shards = _shards()
     workspaces = sum(1 for s in shards for h in s._helpers.values() if h.workspace is not None)

@@ -8,7 +8,7 @@ wants, raising ValueError with the same kind of message.
 
 from __future__ import annotations
 
-from .. import geometry
+from ..common import geometry
 
 AUTO = "auto"
 DURATION_CHOICES = (5, 10, 12, 15)  # seconds the model was trained around (124..362 frames)

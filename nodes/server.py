@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import geometry
+from ..common import geometry
 from .devices import GpuInfo
 
 # ComfyUI's sampler nodes: each one in the graph below the pack's node is one sampling pass

@@ -20,8 +20,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..comfy_seam import runtime
-from ..geometry import MAX_CANVAS_SIDE as SIZE_MAX
-from ..geometry import validate_canvas
+from ..common.geometry import MAX_CANVAS_SIDE as SIZE_MAX
+from ..common.geometry import validate_canvas
 from ..planner.checkpoint_check import read_checkpoint
 from .comfy_types import CATEGORY, LatentUpscaleModel
 from .status import CORE_UPSCALE as CORE_UPSCALE_NODE

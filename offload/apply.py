@@ -44,9 +44,9 @@ from ..comfy_seam.memory import (
     is_dynamic,
     pin_budget_bytes,
 )
+from ..common.engine import root_device
 from ..guard.interrupt import check_interrupt
 from . import policy, sizing
-from .engine import root_device
 from .streamer import BlockStreamer, Source
 from .weights import leaves_of, module_bytes
 

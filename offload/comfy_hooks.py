@@ -33,7 +33,7 @@ import torch
 
 from ..comfy_seam import h3 as seam_h3
 from ..comfy_seam import loader, names, protocol
-from ..guard.device import device_context
+from ..comfy_seam.devices import device_context
 from .apply import BlockPrefetch
 
 ATTACHMENT = names.PREFETCH_KEY

@@ -29,10 +29,10 @@ from enum import Enum
 import torch
 
 from ..comfy_seam.memory import pin_budget_bytes
+from ..common.arena import HostArena, HostBuffer, StagingRing, booked_bytes
+from ..common.engine import CopyEngine, make_engine, root_device
+from ..common.slots import SlotRing
 from . import sizing
-from .arena import HostArena, HostBuffer, StagingRing, booked_bytes
-from .engine import CopyEngine, make_engine, root_device
-from .slots import SlotRing
 from .weights import BlockWeights
 
 log = logging.getLogger(__name__)

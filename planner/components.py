@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .. import geometry
+from ..common import geometry
 
 GB = 1000**3
 GiB = 1024**3

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import geometry
+from ..common import geometry
 from ..dual_sage import sizing as dual_sage_sizing
 from ..offload import sizing as offload_sizing
 from ..sequence import sizing as sequence_sizing

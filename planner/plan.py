@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .. import geometry
+from ..common import geometry
 from .attention import AttentionChoice, missing_kernel_notes, resolve_attention
 from .checkpoint_check import check_dit_file
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, checkpoint_attention

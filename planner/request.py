@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .. import geometry
+from ..common import geometry
 from .hardware import ATTENTION_KERNELS, QUANTIZED_ATTENTION, HardwareProfile
 from .residency import RESIDENT_NEEDS_LEGACY
 

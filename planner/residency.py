@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .. import geometry
+from ..common import geometry
 from ..offload import sizing as offload_sizing
 from .components import ComponentSizes
 from .hardware import GiB, HardwareProfile

@@ -8,7 +8,7 @@ numbers are estimates (labelled as such in reports); the video decode's are meas
 
 from __future__ import annotations
 
-from .. import geometry
+from ..common import geometry
 from ..dual_sage import sizing as dual_sage_sizing
 
 UPSCALER_CHANNELS = 512

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .. import geometry
+from ..common import geometry
 
 if TYPE_CHECKING:
     from .plan import Plan

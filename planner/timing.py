@@ -13,7 +13,7 @@ one block ahead (each copy hides behind one block), the pack's streamer spreads 
 among the streamed ones (`offload.sizing`). A job adds the latent upscale and the video decode.
 
 Calibration (`profiles.json` names each rate's source): GEMM and attention rates measured on the
-lab's H200s, the RTX 5090's fitted on its published run; `bench/bench_time_model.py` measures
+lab's H200s, the RTX 5090's fitted on its published run; `dev/bench/bench_time_model.py` measures
 the H200's rates again and compares them with these.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import geometry
+from ..common import geometry
 from ..dual_sage import sizing as dual_sage_sizing
 from ..sequence import sizing as sequence_sizing
 from .hardware import GB, GPUSpec, LinkSpec

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from ..chunking import exact_rows
 from ..chunking.formats import (
     block_adapter_ranks,
     device_name,
@@ -51,10 +50,11 @@ from ..comfy_seam import clones as comfy_clones
 from ..comfy_seam import names, protocol
 from ..comfy_seam.h3 import forward_options, sampled_patcher, weight_format
 from ..comfy_seam.memory import free_vram_bytes, is_dynamic
-from ..dual_sage.shard_plan import parse_devices, validate_devices
+from ..common import exact_rows
+from ..common.devices import parse_devices, validate_devices
+from ..common.geometry import HEADS
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
-from ..geometry import HEADS
 from . import sizing
 from .runner import SequenceRunner, SplitState, device_current
 from .split import SequenceSplit

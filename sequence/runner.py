@@ -43,11 +43,11 @@ from typing import Any
 import torch
 
 from ..comfy_seam import clones as comfy_clones
+from ..comfy_seam.devices import device_context
 from ..comfy_seam.names import OVERRIDE_KEY
 from ..exchange.links import Link, keep_until_used
 from ..exchange.streams import current_stream, record, wait
 from ..exchange.transport import TransportMode
-from ..guard.device import device_context
 from .split import SequenceSplit
 from .threads import DEFAULT_TIMEOUT_S, Exchange, ShareWorker, run_shares
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import geometry
 from ..chunking import sizing as block_sizing
+from ..common import geometry
 from ..dual_sage import sizing as dual_sage_sizing
 from ..exchange import shares
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..comfy_seam import clones as comfy_clones
-from ..guard.device import device_context
+from ..comfy_seam.devices import device_context
 
 DEFAULT_TIMEOUT_S = 600.0  # a helper's host side may stall on a weight upload or a cudaMalloc
 POLL_S = 0.05  # how often a blocked share looks at the abort and interrupt flags

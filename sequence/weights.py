@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from ..guard.device import device_context
-from ..offload.arena import HostArena, HostBuffer
-from ..offload.engine import make_engine
-from ..offload.slots import SlotRing
+from ..comfy_seam.devices import device_context
+from ..common.arena import HostArena, HostBuffer
+from ..common.engine import make_engine
+from ..common.slots import SlotRing
 from ..offload.weights import PLAIN, BlockWeights, device_wrapper, is_quantized, leaves_of
 
 REPLICA = "replica"

@@ -1,4 +1,5 @@
-"""Full-size single-block workloads on the twin, for the GPU tests and `bench/bench_chunking.py`.
+"""Full-size single-block workloads on the twin, for the GPU tests and
+`dev/bench/bench_chunking.py`.
 
 One block's activation peak and time are what chunking changes, so a workload is a few
 full-size DiT blocks (735 MiB each in bf16) with an on-activation LoRA on qkv_proj and fc1, fed
@@ -15,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from twin import MiniMaxH3Twin, TwinConfig, make_inputs, make_twin
+from twin.adapters import ActivationAdapterHook, attach_activation_lora
+from twin.dit import PackedInputs
 
-from h3_multigpu import geometry
-from h3_multigpu.twin import MiniMaxH3Twin, TwinConfig, make_inputs, make_twin
-from h3_multigpu.twin.adapters import ActivationAdapterHook, attach_activation_lora
-from h3_multigpu.twin.dit import PackedInputs
+from h3_multigpu.common import geometry
 
 BlockForward = Callable[..., torch.Tensor]
 

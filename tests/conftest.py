@@ -6,8 +6,7 @@ import os
 
 import pytest
 import torch
-
-from h3_multigpu.twin import TwinConfig, make_inputs, make_twin
+from twin import TwinConfig, make_inputs, make_twin
 
 
 def pytest_configure(config):

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from twin import TwinPatcher
 
 from h3_multigpu.nodes.model_check import check_h3_model, h3_model_problem, model_file
 from h3_multigpu.planner import checkpoint_check as cc
-from h3_multigpu.twin import TwinPatcher
 
 INT8_CONF = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
+from twin.adapters import attach_activation_lora
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking, sizing
 from h3_multigpu.chunking.formats import activation_adapters
 from h3_multigpu.chunking.wrappers import project_rows
 from h3_multigpu.comfy_seam import protocol
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
-from h3_multigpu.twin.adapters import attach_activation_lora
 
 BF16 = torch.bfloat16
 

@@ -34,13 +34,13 @@ from comfyui_h3 import (
 from h3_multigpu.chunking import (
     ChunkingConfig,
     apply_activation_chunking,
-    exact_rows,
     get_chunking,
     sizing,
 )
 from h3_multigpu.chunking.formats import activation_adapters
 from h3_multigpu.comfy_seam import h3 as seam_h3
 from h3_multigpu.comfy_seam.h3 import weight_format
+from h3_multigpu.common import exact_rows
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui", "two_cpu_threads")]
 

@@ -1,6 +1,6 @@
 """Row floors per GEMM shape (chunking/exact_rows.json) and how chunking and the planner use them.
 
-The shipped table is the H200 sweep (bench/sweep_chunk_exactness.py): base GEMMs exact from
+The shipped table is the H200 sweep (dev/bench/sweep_chunk_exactness.py): base GEMMs exact from
 256-512 rows, the on-activation LoRA's down projections only from 2,300-8,192 rows, fc2's
 rank-32 one never. On the CPU the block tests install a fake table for the tiny twin's shapes
 (`exact_rows.table_for` is the seam), with the generic floor EXACT_MIN_ROWS scaled down to it.
@@ -13,17 +13,17 @@ import logging
 
 import pytest
 import torch
+from twin import TwinPatcher, make_inputs, make_twin
+from twin.adapters import attach_activation_lora
 
 from h3_multigpu.chunking import (
     ChunkingConfig,
     apply_activation_chunking,
-    exact_rows,
     get_chunking,
     sizing,
 )
 from h3_multigpu.chunking.sizing import Adapters, BlockDims, RowFloors
-from h3_multigpu.twin import TwinPatcher, make_inputs, make_twin
-from h3_multigpu.twin.adapters import attach_activation_lora
+from h3_multigpu.common import exact_rows
 
 H200 = "NVIDIA H200"
 H3 = exact_rows.linear_shapes(5376, 56 * 128, 14336)
@@ -288,7 +288,7 @@ def test_a_gpu_without_measured_floors_is_exact_only_as_assumed(tiny_config, mon
         assert line.endswith("; exact"), line
     else:
         assert f"exact as assumed ({gpu} bfloat16 is not in chunking/exact_rows.json" in line
-        assert "bench/sweep_chunk_exactness.py" in line
+        assert "dev/bench/sweep_chunk_exactness.py" in line
 
 
 # ------------------------------------------------------------------ per weight format

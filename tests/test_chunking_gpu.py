@@ -13,9 +13,9 @@ from block_workload import (
     rms_norm_temporary_bytes,
     run_blocks,
 )
+from twin import TwinConfig, TwinPatcher
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
-from h3_multigpu.twin import TwinConfig, TwinPatcher
 
 pytestmark = pytest.mark.gpu
 RANK = 128

@@ -2,7 +2,7 @@
 
 `chunking/exact_rows.py` lets INT8 ConvRot linears chunk at any row count on NVIDIA GPUs:
 comfy-kitchen's CUDA `int8_linear` quantizes activations per row and accumulates in int32
-(`bench/sweep_int8_chunk_exactness.py` measures the kernel alone). Here the real MiniMaxH3
+(`dev/bench/sweep_int8_chunk_exactness.py` measures the kernel alone). Here the real MiniMaxH3
 with H3's widths (hidden 5376, 56 x 128 heads, FFN 14336; 2 DiT + 1 refiner block), loaded
 from an INT8 ConvRot file by ComfyUI's loader, bf16 compute, ~3.4k tokens, is chunked far below
 the bf16 floors (777 and 1,000 rows; the fused SwiGLU fc2 at its measured 2-row floor) and
@@ -31,8 +31,8 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking, sizing
-from h3_multigpu.chunking.exact_rows import INT8_FUSED_FC2_MIN_ROWS
 from h3_multigpu.comfy_seam.h3 import weight_format
+from h3_multigpu.common.exact_rows import INT8_FUSED_FC2_MIN_ROWS
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu]
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from h3_multigpu import geometry
 from h3_multigpu.chunking import ChunkingConfig, sizing
 from h3_multigpu.chunking.sizing import Adapters, BlockDims, Kernels
+from h3_multigpu.common import geometry
 
 GiB = 1 << 30
 PASS2_15S = geometry.video_audio_tokens(1312, 736, 362)  # 102,107

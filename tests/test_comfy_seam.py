@@ -1,6 +1,6 @@
 """The seam owns every ComfyUI name: no other module spells one; install / remove / describe.
 
-The grep test reads the package's own source (not tests/, bench/, tools/ or the twin, which
+The grep test reads the package's own source (not tests/, dev/bench/, dev/tools/ or the twin, which
 stands in for ComfyUI) and fails on a ComfyUI hook call, key, wrapper type or import outside
 `comfy_seam/`. Docstrings and comments may name them (they say what is used where).
 """
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 from h3_multigpu.comfy_seam import names, protocol
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 ROOT = Path(__file__).resolve().parent.parent
-NOT_PRODUCT = {"tests", "bench", "tools", "twin", "comfy_seam", "workflows", "docs", "venv",
+NOT_PRODUCT = {"tests", "dev", "comfy_seam", "workflows", "docs", "venv",
                ".venv"}
 # Modules allowed to name a ComfyUI internal outside the seam, {file: labels}. Empty: every
 # feature (sequence included) goes through comfy_seam, and the decode's VAE window loop is

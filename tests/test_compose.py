@@ -20,11 +20,11 @@ import itertools
 
 import pytest
 import torch
+from twin import TwinPatcher, make_twin
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
 from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
-from h3_multigpu.twin import TwinPatcher, make_twin
 
 K_ROUNDING = 4.0
 CHUNKS = ChunkingConfig(ffn_chunk=13, qkv_chunk=17, head_group=3)
@@ -65,14 +65,14 @@ def references(tiny_config_module, tiny_inputs_module):
 
 @pytest.fixture(scope="module")
 def tiny_config_module():
-    from h3_multigpu.twin import TwinConfig
+    from twin import TwinConfig
 
     return TwinConfig.tiny()
 
 
 @pytest.fixture(scope="module")
 def tiny_inputs_module(tiny_config_module):
-    from h3_multigpu.twin import make_inputs
+    from twin import make_inputs
 
     return make_inputs(tiny_config_module, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=1)
 

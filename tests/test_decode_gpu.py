@@ -3,7 +3,7 @@
 The stand-in VAE (tests/decode_standin.py) in bf16 on cuda:0 with every other GPU as a helper
 must give its own one-GPU decode bit for bit, with the output on the host (ComfyUI's default)
 and on a GPU (ComfyUI's --gpu-only), and when a helper fails mid-way. The real upstream VAE on
-two GPUs is in test_decode_comfyui.py (multi_gpu + comfyui) and bench/bench_decode.py.
+two GPUs is in test_decode_comfyui.py (multi_gpu + comfyui) and dev/bench/bench_decode.py.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import importlib.util
 
 import pytest
 import torch
+from twin import TwinPatcher
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
 from h3_multigpu.comfy_seam.names import DIFFUSION_MODEL, GUARD_KEY, OUTER_SAMPLE
@@ -26,7 +27,6 @@ from h3_multigpu.guard.device import (
 )
 from h3_multigpu.nodes import comfy_placement, features
 from h3_multigpu.nodes.features import apply_from_strings
-from h3_multigpu.twin import TwinPatcher
 
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
 

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from twin import AttentionTensorContainer, TwinPatcher
 
 from h3_multigpu import chunking
 from h3_multigpu.dual_sage import (
@@ -25,7 +26,6 @@ from h3_multigpu.dual_sage import sharded as sharded_module
 from h3_multigpu.dual_sage.exactness import ExactRange, derive_per_sm
 from h3_multigpu.kernels import AttentionBackend, Constraints, mark_unavailable
 from h3_multigpu.kernels import register as register_backend
-from h3_multigpu.twin import AttentionTensorContainer, TwinPatcher
 
 CPU = torch.device("cpu")
 
@@ -344,7 +344,7 @@ def test_twin_min_tokens_keeps_short_calls_on_the_root(tiny_twin, tiny_inputs):
 def test_the_function_comfyui_would_run_is_sharded(tiny_twin, tiny_inputs):
     """The twin's preferred attention (a checkpoint's comfy_attention choice) runs per head
     subset under Dual-Sage, as it runs per call unpatched; never the pack's own SDPA."""
-    from h3_multigpu.twin import attention as twin_attention
+    from twin import attention as twin_attention
 
     calls = []
 
@@ -528,7 +528,7 @@ def test_the_planner_sizes_the_helper_ring_by_its_link():
 @pytest.mark.parametrize("transport", ["peer", "host"])
 def test_four_devices_with_mixed_head_shares_are_bit_identical(transport):
     """H3's 56 heads as 20:12:12:12 (root first) over a root and three helpers."""
-    from h3_multigpu.twin import TwinConfig, make_inputs, make_twin
+    from twin import TwinConfig, make_inputs, make_twin
 
     cfg = TwinConfig.tiny(heads=56)
     model = make_twin(cfg, seed=0)

@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 from h3_multigpu.dual_sage import (
     DualSageConfig,
@@ -19,7 +20,6 @@ from h3_multigpu.dual_sage import sharded as sharded_module
 from h3_multigpu.dual_sage.apply import per_heads
 from h3_multigpu.kernels import list_backends
 from h3_multigpu.kernels.comfy_calling import backend_function
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 pytestmark = pytest.mark.multi_gpu
 ROOT, HELPER = torch.device("cuda", 1), torch.device("cuda", 0)

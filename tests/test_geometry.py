@@ -1,6 +1,6 @@
 import pytest
 
-from h3_multigpu import geometry
+from h3_multigpu.common import geometry
 
 TOKEN_TABLE = {  # H3_FACTS section 3
     (864, 480): {124: 15_399, 243: 29_970, 294: 36_215, 362: 44_541},

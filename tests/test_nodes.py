@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from twin import TwinPatcher
 
 # Imported, never skipped: check_options answers None for a library missing from the
 # install, which would let these tests pass without it.
@@ -42,7 +43,6 @@ from h3_multigpu.nodes.status import (
     feature_lines,
     record,
 )
-from h3_multigpu.twin import TwinPatcher
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = [GpuInfo(0, "NVIDIA GeForce RTX 5060 Ti", 16 * GiB),
@@ -177,7 +177,7 @@ def test_seconds_snap_to_the_frame_grid(seconds, frames):
 
 
 def test_latent_frames_invert_exactly():
-    from h3_multigpu import geometry
+    from h3_multigpu.common import geometry
 
     for frames in range(5, 600, 17):
         assert inputs.frames_for_latent(geometry.latent_frames(frames)) == frames

@@ -79,7 +79,7 @@ def test_every_pack_node_is_registered_in_the_category(object_info):
 
 def test_pack_schemas_match_what_comfyui_serves(object_info):
     """tests/data/object_info_pack.json (the workflows are generated from it) is what a real
-    ComfyUI serves for this pack; regenerate it with tools/capture_pack_schemas.py.
+    ComfyUI serves for this pack; regenerate it with dev/tools/capture_pack_schemas.py.
 
     Every field the pinned file holds must be served as pinned (inputs, types, defaults,
     ranges, options, tooltips, order, outputs, names, descriptions); fields a release adds to

@@ -4,12 +4,13 @@ the legacy loader; a plan for one loader does not silently stream a model of the
 
 from __future__ import annotations
 
+from twin import TwinConfig, TwinPatcher, make_twin
+
 from h3_multigpu.nodes.devices import GiB, GpuInfo
 from h3_multigpu.nodes.features import apply_plan, plan_feature_strings
 from h3_multigpu.nodes.placement import decide_placement
 from h3_multigpu.nodes.planning import comfy_loader_inputs, make_plan
 from h3_multigpu.offload import get_block_prefetch
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_twin
 
 PAIR = [GpuInfo(0, "NVIDIA GeForce RTX 5060 Ti", 16 * GiB),
         GpuInfo(1, "NVIDIA GeForce RTX 5060 Ti", 16 * GiB)]

@@ -24,8 +24,8 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu.comfy_seam.memory import free_vram_bytes
+from h3_multigpu.common.arena import live_host_bytes
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
-from h3_multigpu.offload.arena import live_host_bytes
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.multi_gpu,
               pytest.mark.usefixtures("fresh_comfyui")]

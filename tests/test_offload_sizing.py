@@ -5,10 +5,10 @@ import inspect
 
 import pytest
 import torch
+from twin import TwinConfig, make_twin
 
 from h3_multigpu.offload import policy, sizing
 from h3_multigpu.offload.weights import BlockLayout, module_bytes
-from h3_multigpu.twin import TwinConfig, make_twin
 
 
 def test_sizing_module_imports_no_torch():

@@ -344,7 +344,7 @@ def test_adopt_puts_a_replaced_tensor_into_the_host_copy():
 
 
 def test_unpin_and_repin_in_place(monkeypatch):
-    from h3_multigpu.offload import arena
+    from h3_multigpu.common import arena
 
     locked: set[int] = set()
     monkeypatch.setattr(arena, "pin_host", lambda r: (locked.add(r.data_ptr()) or True, False))
@@ -368,7 +368,7 @@ def test_unpin_and_repin_in_place(monkeypatch):
 
 
 def test_a_failed_registration_leaves_the_weights_and_can_be_retried(monkeypatch):
-    from h3_multigpu.offload.arena import HostArena
+    from h3_multigpu.common.arena import HostArena
 
     blocks = make(4)
     x = torch.randn(5, 8)

@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Test and development folders: in the repository, never in the wheel or the sdist.
-DEV_FOLDERS = ("tests", "bench", "tools", "twin")
+DEV_FOLDERS = ("tests", "dev")
 # Folders shipped for their data only; their .py files generate that data (development code).
 DATA_FOLDERS = ("workflows", "workflows/api")
 # Scripts of the root that are not modules of the package.

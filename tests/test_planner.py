@@ -3,8 +3,8 @@ import struct
 
 import pytest
 
-from h3_multigpu import geometry
 from h3_multigpu.cli import main
+from h3_multigpu.common import geometry
 from h3_multigpu.planner import (
     PROFILES,
     BlockDims,

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from h3_multigpu import geometry
 from h3_multigpu.cli import main
+from h3_multigpu.common import geometry
 from h3_multigpu.offload import sizing
 from h3_multigpu.planner import PlanRequest, get_profile, plan_job, timing
 from h3_multigpu.planner.plan import _dit_fixed_bytes

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from h3_multigpu import geometry
+from h3_multigpu.common import geometry
 from h3_multigpu.offload import sizing
 from h3_multigpu.planner import PlanRequest, plan_job
 from h3_multigpu.planner.hardware import get_profile

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from h3_multigpu import geometry
+from h3_multigpu.common import geometry
 from h3_multigpu.planner import PlanRequest, get_profile, plan_job
 from h3_multigpu.planner.attention import resolve_attention
 from h3_multigpu.planner.components import OFFICIAL, checkpoint_attention

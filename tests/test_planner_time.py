@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from h3_multigpu import geometry
+from h3_multigpu.common import geometry
 from h3_multigpu.planner import PlanRequest, get_profile, plan_job, timing
 from h3_multigpu.planner.hardware import H200
 from h3_multigpu.sequence import sizing as sequence_sizing

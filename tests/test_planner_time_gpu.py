@@ -1,6 +1,6 @@
 """On a GPU the hardware data lists, the rates the time model uses are what the card measures
 (within 10%): bf16 and INT8 ConvRot GEMMs at H3's block shapes, SDPA under ComfyUI's priority,
-a pinned host copy. Runs `bench/bench_time_model.py`'s measurements (about a minute).
+a pinned host copy. Runs `dev/bench/bench_time_model.py`'s measurements (about a minute).
 
     python -m pytest -q -o addopts="" -m gpu tests/test_planner_time_gpu.py
 """
@@ -16,7 +16,7 @@ import torch
 from h3_multigpu.planner.hardware import spec_for_name
 
 pytestmark = pytest.mark.gpu
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_time_model.py"
+BENCH = Path(__file__).resolve().parents[1] / "dev" / "bench" / "bench_time_model.py"
 
 
 def _bench():

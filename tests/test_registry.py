@@ -67,11 +67,13 @@ def test_the_icon_url_points_at_a_square_png_in_the_repository(pyproject):
 
 
 def test_the_icon_is_what_its_script_draws():
-    spec = importlib.util.spec_from_file_location("make_icon", ROOT / "tools" / "make_icon.py")
+    script = ROOT / "dev" / "tools" / "make_icon.py"
+    spec = importlib.util.spec_from_file_location("make_icon", script)
     make_icon = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_icon)
     assert make_icon.png_bytes(make_icon.draw()) == make_icon.OUT.read_bytes(), (
-        "docs/images/icon.png differs from tools/make_icon.py: run python tools/make_icon.py")
+        "docs/images/icon.png differs from dev/tools/make_icon.py: "
+        "run python dev/tools/make_icon.py")
 
 
 def test_license_is_the_gpl3_text_and_ships(pyproject):
@@ -113,9 +115,9 @@ def comfyignore() -> list[str]:
 
 
 @pytest.mark.parametrize("path", [
-    "tests/test_cli.py", "tests/data/object_info_033.json", "bench/bench_decode.py",
-    "tools/make_icon.py", "twin/model.py", ".ci/run", "docs/results/decode.json",
-    "docs/images/h3_multigpu_two_pass_t2v.png", "workflows/build_workflows.py",
+    "tests/test_cli.py", "tests/data/object_info_033.json", "dev/bench/bench_decode.py",
+    "dev/tools/make_icon.py", "tests/twin/model.py", ".ci/run", "docs/results/decode.json",
+    "docs/images/h3_multigpu_two_pass_t2v.png", "dev/workflow_layout/build_workflows.py",
 ])
 def test_comfyignore_leaves_out_test_and_development_files(comfyignore, path):
     assert (ROOT / path).exists(), f"{path} is no longer in the repository: update the list"

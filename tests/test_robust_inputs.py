@@ -16,10 +16,10 @@ import pytest
 from h3_multigpu import (
     chunking,
     dual_sage,  # noqa: F401
-    geometry,
     offload,  # noqa: F401
 )
 from h3_multigpu.cli import main
+from h3_multigpu.common import geometry
 from h3_multigpu.nodes import inputs
 from h3_multigpu.nodes.features import check_options
 from h3_multigpu.planner import PlanRequest, plan_job, read_safetensors_tensor_bytes

@@ -17,6 +17,8 @@ import logging
 
 import pytest
 import torch
+from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
+from twin import model as twin_model
 
 from h3_multigpu.exchange.mode import PARALLEL_KEY
 from h3_multigpu.sequence import (
@@ -28,8 +30,6 @@ from h3_multigpu.sequence import (
 )
 from h3_multigpu.sequence import runner as runner_module
 from h3_multigpu.sequence.weights import REPLICA, STREAM, HelperWeights
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
-from h3_multigpu.twin import model as twin_model
 
 CPU = torch.device("cpu")
 
@@ -144,7 +144,7 @@ def test_a_one_head_share_runs_single_threaded_only():
 @torch.no_grad()
 def test_per_token_modulation_rows_and_segments_are_remapped():
     """A block with per-token mod-row tensors (upstream's masked rows) and many segments."""
-    from h3_multigpu.twin.rope import rope_rotation_table
+    from twin.rope import rope_rotation_table
 
     cfg = TwinConfig.tiny()
     block = twin_model.DiTBlock(cfg).requires_grad_(False)

@@ -19,8 +19,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from twin import TwinPatcher, make_twin
+from twin.adapters import attach_activation_lora
 
-from h3_multigpu.chunking import exact_rows
+from h3_multigpu.common import exact_rows
 from h3_multigpu.sequence import (
     SequenceParallelConfig,
     apply_sequence_parallel,
@@ -29,8 +31,6 @@ from h3_multigpu.sequence import (
 from h3_multigpu.sequence import apply as sequence_apply
 from h3_multigpu.sequence import runner as runner_module
 from h3_multigpu.sequence import threads as threads_module
-from h3_multigpu.twin import TwinPatcher, make_twin
-from h3_multigpu.twin.adapters import attach_activation_lora
 
 RANK = 4
 # the tiny twin (hidden 64, inner 128, ffn 96) with rank-4 adapters, fp32 on the CPU

@@ -13,6 +13,7 @@ import logging
 
 import pytest
 import torch
+from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 from h3_multigpu.exchange.links import Link
 from h3_multigpu.sequence import (
@@ -21,7 +22,6 @@ from h3_multigpu.sequence import (
     apply_sequence_parallel,
     get_sequence_parallel,
 )
-from h3_multigpu.twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
 pytestmark = pytest.mark.multi_gpu
 ROOT, HELPER = torch.device("cuda", 1), torch.device("cuda", 0)

@@ -22,6 +22,9 @@ import torch
 from test_sequence import block_calls
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from twin import TwinConfig
+from twin import model as twin_model
+from twin.rope import rope_rotation_table
 
 from h3_multigpu.chunking import sizing as block_sizing
 from h3_multigpu.sequence import SequenceRunner, SequenceSplit
@@ -29,9 +32,6 @@ from h3_multigpu.sequence import runner as runner_module
 from h3_multigpu.sequence import sizing as sequence_sizing
 from h3_multigpu.sequence import threads as threads_module
 from h3_multigpu.sequence.weights import REPLICA, HelperWeights
-from h3_multigpu.twin import TwinConfig
-from h3_multigpu.twin import model as twin_model
-from h3_multigpu.twin.rope import rope_rotation_table
 
 # wide rows next to few heads, so the per-row terms the model counts dominate the small tensors
 # it leaves out (t_emb, modulation, RoPE rows: < 2% here, as at full size)

@@ -1,7 +1,7 @@
 """The twin without ComfyUI: shapes, names, determinism, and the forward's documented rules.
 
-Position and timestep spot values are recomputed here from the rules in `twin/layout.py` and
-`twin/timesteps.py` with plain Python floats (not the twin's code), so a changed rule fails.
+Position and timestep spot values are recomputed here from the rules in `tests/twin/layout.py` and
+`tests/twin/timesteps.py` with plain Python floats (not the twin's code), so a changed rule fails.
 Bit-identity with upstream's class is `tests/test_twin_fidelity.py` (needs ComfyUI).
 """
 
@@ -9,8 +9,7 @@ import math
 
 import pytest
 import torch
-
-from h3_multigpu.twin import (
+from twin import (
     SequenceLayout,
     TwinConfig,
     TwinPatcher,
@@ -20,9 +19,9 @@ from h3_multigpu.twin import (
     make_twin,
     select_checkpoint_attention,
 )
-from h3_multigpu.twin import layout as layout_module
-from h3_multigpu.twin.attention import wrap_attn
-from h3_multigpu.twin.timesteps import plan_modulation
+from twin import layout as layout_module
+from twin.attention import wrap_attn
+from twin.timesteps import plan_modulation
 
 
 def test_full_config_has_upstream_parameter_count_per_block():
@@ -387,9 +386,9 @@ def test_batch_size_must_be_one(tiny_config, tiny_twin):
 def test_comfyui_attention_rebinds_the_dispatch_and_restores_it(tiny_twin, tiny_inputs):
     from types import SimpleNamespace
 
-    from h3_multigpu.twin import AttentionTensorContainer, comfyui_attention
-    from h3_multigpu.twin import model as layers
-    from h3_multigpu.twin.attention import optimized_attention
+    from twin import AttentionTensorContainer, comfyui_attention
+    from twin import model as layers
+    from twin.attention import optimized_attention
 
     calls = []
 
@@ -407,7 +406,7 @@ def test_comfyui_attention_rebinds_the_dispatch_and_restores_it(tiny_twin, tiny_
 
 
 def test_mask_conditioning_pools_to_patches_and_channels():
-    from h3_multigpu.twin import mask_conditioning
+    from twin import mask_conditioning
 
     video = torch.ones(1, 24, 2, 4, 6)
     video[:, :, 0, :2, :2] = 0.0  # one whole 2x2 patch preserved

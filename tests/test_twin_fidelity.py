@@ -31,10 +31,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import twin.model as twin_layers
 from comfyui_h3 import import_comfyui_or_skip
-
-import h3_multigpu.twin.model as twin_layers
-from h3_multigpu.twin import (
+from twin import (
     TwinConfig,
     attention_config_tensor,
     comfyui_attention,

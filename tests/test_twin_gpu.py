@@ -2,15 +2,14 @@
 
 import pytest
 import torch
-
-from h3_multigpu.twin import (
+from twin import (
     TwinConfig,
     make_conditioning,
     make_inputs,
     make_twin,
     select_checkpoint_attention,
 )
-from h3_multigpu.twin import attention as twin_attention
+from twin import attention as twin_attention
 
 pytestmark = pytest.mark.gpu
 

@@ -27,14 +27,16 @@ from workflow_bed import (
     with_files,
 )
 
-from h3_multigpu import geometry, nodes
+from h3_multigpu import nodes
 from h3_multigpu.client import editor, ui_to_api
 from h3_multigpu.client.cli import main as cli_main
 from h3_multigpu.client.validate import check_prompt, review_prompt
+from h3_multigpu.common import geometry
 from h3_multigpu.nodes import inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "workflows"
+LAYOUT = ROOT / "dev" / "workflow_layout"  # the layout engine that writes WORKFLOWS
 DATA = Path(__file__).resolve().parent / "data"
 # the project's shared/ folder sits beside the checkout (CI lays a copy there too)
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "templates"
@@ -51,7 +53,7 @@ EDITOR_ONLY = ("MarkdownNote", "Note")
 
 def _builder():
     spec = importlib.util.spec_from_file_location("build_workflows",
-                                                  WORKFLOWS / "build_workflows.py")
+                                                  LAYOUT / "build_workflows.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while building
     spec.loader.exec_module(module)
@@ -95,7 +97,7 @@ def test_files_are_what_the_generator_writes(workflow):
     builder = _builder()
     built_ui, built_api = builder.build_all()[name]
     assert (WORKFLOWS / f"{name}.json").read_text() == builder.dump_ui(built_ui), \
-        "run: python workflows/build_workflows.py"
+        "run: python dev/workflow_layout/build_workflows.py"
     assert (WORKFLOWS / "api" / f"{name}.json").read_text() == builder.dump_api(built_api)
 
 
@@ -543,7 +545,7 @@ CROSSINGS = {"t2v": 52, "i2v": 65, "r2v": 65}
 
 
 def _geometry():
-    _builder()  # puts workflows/ on the path
+    _builder()  # puts dev/workflow_layout/ on the path
     import wire_geometry
 
     return wire_geometry
@@ -615,8 +617,8 @@ def test_documented_pictures_are_the_browser_screenshots():
 
 
 def test_the_column_orders_are_the_fewest_crossings_the_search_finds():
-    """workflows/subgraph_columns.py is what order_search.py writes: its exact integer program
-    still finds the recorded least number of crossings for these columns."""
+    """dev/workflow_layout/subgraph_columns.py is what order_search.py writes: its exact integer
+    program still finds the recorded least number of crossings for these columns."""
     pytest.importorskip("scipy")
     _builder()
     import order_search

@@ -44,6 +44,7 @@ pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "workflows"
+LAYOUT = ROOT / "dev" / "workflow_layout"  # the layout engine that writes WORKFLOWS
 SCRIPT = Path(__file__).resolve().parent / "browser" / "load_workflows.mjs"
 NAMES = ("h3_multigpu_two_pass_t2v", "h3_multigpu_two_pass_i2v", "h3_multigpu_two_pass_r2v")
 FRONTEND_VERSION = "1.58.1"
@@ -277,7 +278,7 @@ def _needs_the_modelled_editor(loaded) -> None:
 
 def _geometry():
     spec = importlib.util.spec_from_file_location("build_workflows",
-                                                  WORKFLOWS / "build_workflows.py")
+                                                  LAYOUT / "build_workflows.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -289,7 +290,7 @@ def _geometry():
 @pytest.mark.parametrize("name", NAMES)
 def test_the_drawn_wires_are_the_modelled_ones(loaded, name):
     """Every Bezier the editor draws (recorded from its Path2D calls) is the one
-    workflows/wire_geometry.py computes, so the default suite's crossing counts are the
+    dev/workflow_layout/wire_geometry.py computes, so the default suite's crossing counts are the
     editor's. Wires from the subgraph's input node may start a few pixels off: that node's
     width follows its labels as the browser's font measures them."""
     _needs_the_modelled_editor(loaded)

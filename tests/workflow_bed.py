@@ -81,7 +81,7 @@ def make_bed(root: Path, api_paths=None) -> tuple[str, ...]:
 DATA = Path(__file__).resolve().parent / "data"
 # release -> the core schemas it serves (this pack's own are object_info_pack.json for both)
 RELEASES = {"newest": "object_info_h3.json", "0.33.0": "object_info_033.json"}
-BUILT_FROM = "newest"  # workflows/build_workflows.py lays the files out for these
+BUILT_FROM = "newest"  # dev/workflow_layout/build_workflows.py lays the files out for these
 PACK_SCHEMAS = "object_info_pack.json"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import SPATIAL_DOWNSCALE
+from ..common.geometry import SPATIAL_DOWNSCALE
 from .network import LATENT_MEAN, LATENT_STD, H3LatentUpscaler
 
 LATENT_SCALE = SPATIAL_DOWNSCALE  # pixels per latent cell (H3's VAE: 16x16 spatial)
