@@ -17,7 +17,6 @@ _LAZY = {
     "get_sharded_attention": "apply",
     "status_text": "apply",
     "ShardPlan": "shard_plan",
-    "parse_devices": "shard_plan",
     "parse_split": "shard_plan",
     "split_weighted": "shard_plan",
     "ShardedAttention": "sharded",

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from twin import AttentionTensorContainer, TwinPatcher
 
 from h3_multigpu import chunking
+from h3_multigpu.common.devices import parse_devices
 from h3_multigpu.dual_sage import (
     DualSageConfig,
     ShardedAttention,
     ShardPlan,
     TransportMode,
     apply_dual_sage,
-    parse_devices,
     parse_split,
     split_weighted,
 )
