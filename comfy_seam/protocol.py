@@ -14,12 +14,19 @@ and calls `install(patcher, feature, *hooks)` on its clone. The seam
   SageAttention node honour each other in both orders);
 - records what it installed in `transformer_options[SEAM_KEY]` (an immutable tuple, so a clone
   never writes into its parent's record), which `describe` reads for the status line and
-  `remove` uses to take a feature off a clone cleanly (chains rebuilt without its links).
+  `remove` uses to take a feature off a clone cleanly (chains rebuilt without its links);
+- answers features' questions about each other, so none reads another's attributes or
+  modules: `find(patcher or a forward's options, feature)` is the live object a feature
+  installed with (`install(..., state=obj)`); `link_info(fn)` says which feature installed a
+  wrapper or chained link, with what state, around which previous link, and whether the link is
+  transparent (runs what it wraps unchanged); `live(feature)` lists every installed state still
+  alive in this process (the out-of-memory guard frees their buffers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +57,7 @@ class Hook:
     value: Any
     previous: Any = _UNSET  # what the slot held before (set by install)
     installed: Any = _UNSET  # the object put there (for chained kinds: the built link)
+    transparent: bool = False  # a chained link that runs what it wraps unchanged
 
 
 def wrapper(wrapper_type: str, fn: Callable) -> Hook:
@@ -64,15 +72,17 @@ def object_patch(name: str, obj: Any) -> Hook:
     return Hook("object_patch", name, obj)
 
 
-def block_patch(index: int, make: Callable[[Any], Callable]) -> Hook:
+def block_patch(index: int, make: Callable[[Any], Callable], transparent: bool = False) -> Hook:
     """A ("double_block", index) replace patch; `make(previous)` builds it around the patch
-    already there (None: the original block)."""
-    return Hook("block_patch", f"{names.DIT_PATCH}.{names.DOUBLE_BLOCK}.{index}", make)
+    already there (None: the original block). transparent: the link runs the block it wraps
+    with the same arguments and returns its result unchanged (the prefetcher's stream wait)."""
+    return Hook("block_patch", f"{names.DIT_PATCH}.{names.DOUBLE_BLOCK}.{index}", make,
+                transparent=transparent)
 
 
-def override(make: Callable[[Any], Callable]) -> Hook:
+def override(make: Callable[[Any], Callable], transparent: bool = False) -> Hook:
     """The attention override; `make(previous)` builds it around the one already there."""
-    return Hook("override", names.OVERRIDE_KEY, make)
+    return Hook("override", names.OVERRIDE_KEY, make, transparent=transparent)
 
 
 def attachment(key: str, obj: Any) -> Hook:
@@ -83,6 +93,22 @@ def attachment(key: str, obj: Any) -> Hook:
 class Installed:
     feature: str
     hooks: tuple[Hook, ...]
+    state: Any = None  # the feature's live object: what `find` answers
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """What the seam knows of one installed wrapper or chained link."""
+
+    feature: str
+    state: Any  # the installing feature's state (None when it gave none)
+    previous: Any  # chained links: the link it wraps (None: the original); wrappers: None
+    transparent: bool
+
+
+# Keyed by the installed callable itself, weakly: a link is known while a patcher holds it.
+_LINKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LIVE: dict[str, weakref.WeakSet] = {}
 
 
 # ---------------------------------------------------------------- reading the patcher
@@ -166,17 +192,61 @@ def has(patcher: Any, feature: str) -> bool:
     return any(entry.feature == feature for entry in installed(patcher))
 
 
+def find(patcher_or_options: Any, feature: str) -> Any:
+    """The state `feature` installed with on this patcher, or in a forward's transformer_options
+    (ComfyUI copies the record into each forward's options); the latest installation wins; None
+    when it is not installed there or gave no state."""
+    if isinstance(patcher_or_options, dict):
+        entries = tuple(patcher_or_options.get(names.SEAM_KEY, ()))
+    elif is_patcher(patcher_or_options):
+        entries = installed(patcher_or_options)
+    else:
+        return None
+    for entry in reversed(entries):
+        if entry.feature == feature and entry.state is not None:
+            return entry.state
+    return None
+
+
+def link_info(fn: Any) -> LinkInfo | None:
+    """Who installed this wrapper / block patch / attention override, or None (another pack's,
+    ComfyUI's own, or nothing)."""
+    try:
+        return _LINKS.get(fn)
+    except TypeError:  # not weak-referenceable: not one the seam installed
+        return None
+
+
+def live(feature: str) -> list[Any]:
+    """Every state `feature` installed with in this process that is still alive."""
+    return list(_LIVE.get(feature, ()))
+
+
 # ---------------------------------------------------------------- install
-def install(patcher: Any, feature: str, *hooks: Hook) -> Any:
-    """Apply `hooks` for `feature` on `patcher` (in place: pass a clone) and record them."""
+def install(patcher: Any, feature: str, *hooks: Hook, state: Any = None) -> Any:
+    """Apply `hooks` for `feature` on `patcher` (in place: pass a clone) and record them, with
+    `state`, the feature's live object that `find` and `link_info` answer (weak-referenceable)."""
     if feature not in KEYS:
         raise ValueError(f"feature {feature!r} is not one the seam orders; use one of {ORDER}")
     done = tuple(_apply(patcher, feature, hook) for hook in hooks)
     for kind in {h.where for h in done if h.kind == "wrapper"}:
         _order_wrappers(patcher, kind)
+    _register(feature, state, done)
     to = options(patcher)
-    to[names.SEAM_KEY] = (*to.get(names.SEAM_KEY, ()), Installed(feature, done))
+    to[names.SEAM_KEY] = (*to.get(names.SEAM_KEY, ()), Installed(feature, done, state))
     return patcher
+
+
+def _register(feature: str, state: Any, hooks: tuple[Hook, ...]) -> None:
+    if state is not None:
+        _LIVE.setdefault(feature, weakref.WeakSet()).add(state)
+    for hook in hooks:
+        if hook.kind not in ("wrapper", "block_patch", "override") or hook.installed is None:
+            continue
+        previous = None if hook.previous is _UNSET else hook.previous
+        if hook.kind == "wrapper":
+            previous = None
+        _LINKS[hook.installed] = LinkInfo(feature, state, previous, hook.transparent)
 
 
 def _apply(patcher: Any, feature: str, hook: Hook) -> Hook:
@@ -312,7 +382,8 @@ def remove(patcher: Any, feature: str) -> Any:
                 rebuilt[slot] = link
                 hook = dataclasses.replace(hook, previous=previous, installed=link)
             hooks.append(hook)
-        kept.append(Installed(entry.feature, tuple(hooks)))
+        _register(entry.feature, entry.state, tuple(hooks))
+        kept.append(Installed(entry.feature, tuple(hooks), entry.state))
     for (kind, where), value in rebuilt.items():
         _set_slot(clone, Hook(kind, where, None), value)
     options(clone)[names.SEAM_KEY] = tuple(kept)
