@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from ..comfy_seam import names, protocol
-from ..guard.device import guard_diffusion_model
 from .config import ChunkingConfig
 from .formats import block_adapter_ranks, block_floors, block_linears
 from .report import ChunkingReport
@@ -28,12 +27,16 @@ def apply_activation_chunking(model_patcher: Any, config: ChunkingConfig) -> Any
     """A clone of `model_patcher` whose H3 DiT blocks run their QKV/out projections and MLP on
     row chunks and their attention in head groups (`chunking.wrappers`).
 
-    Installs through the seam (`comfy_seam.protocol`): a DIFFUSION_MODEL wrapper that wraps the
-    chunked blocks' `attn.qkv_proj`, `attn.out_proj` and `mlp` forwards for each DiT forward,
-    the head-group attention override (chained with any other) when head groups are asked for,
-    and the DiT device guard; the blocks' own forward, weights and state-dict keys are
-    untouched. Works on ComfyUI's ModelPatcher and on the twin's `TwinPatcher`. Everything is
-    checked before the clone is patched: a `ValueError` names the problem.
+    Installs through the seam (`comfy_seam.protocol`, state: the `ChunkingRuntime`): a
+    DIFFUSION_MODEL wrapper that wraps the chunked blocks' `attn.qkv_proj`, `attn.out_proj` and
+    `mlp` forwards for each DiT forward, and the head-group attention override (chained with any
+    other) when head groups are asked for; the blocks' own forward, weights and state-dict keys
+    are untouched. Works on ComfyUI's ModelPatcher and on the twin's `TwinPatcher`. Everything
+    is checked before the clone is patched: a `ValueError` names the problem.
+
+    Upstream's modules call comfy-kitchen and the bypass adapters, which must run with the DiT's
+    GPU current: the DiT device guard (`guard.device`) does that, installed by whoever composes
+    the features (`nodes.features.apply_feature` on every feature's clone), not by a feature.
     """
     if not isinstance(config, ChunkingConfig):
         raise ValueError(f"config must be a ChunkingConfig, got {type(config).__name__}; build "
@@ -66,24 +69,16 @@ def apply_activation_chunking(model_patcher: Any, config: ChunkingConfig) -> Any
         hooks.append(protocol.wrapper(names.DIFFUSION_MODEL, runtime.diffusion_model_wrapper()))
         if config.head_group:
             hooks.append(protocol.override(lambda previous: HeadGroups(runtime, previous)))
-    hooks.append(protocol.attachment(names.CHUNKING_KEY, runtime))
-    protocol.install(patcher, "chunking", *hooks)
-    options = protocol.options(patcher)
-    status = {**options.get(names.STATUS_KEY, {}), "chunking": report.line()}
-    options[names.STATUS_KEY] = status
-    # the wrapped forwards rewrite the line once they know what ran (adapters ComfyUI injects
-    # at load, "auto"'s choices): in this patcher's options, and in the copy of each run
-    report.sinks.append(status)
-    # upstream's modules call comfy-kitchen and the bypass adapters: they must run with the
-    # DiT's GPU current, whatever ComfyUI left current
-    return guard_diffusion_model(patcher)
+    protocol.install(patcher, "chunking", *hooks, state=runtime)
+    # live: the line becomes true once the wrapped forwards know what ran (adapters ComfyUI
+    # injects at load, "auto"'s choices)
+    protocol.record_status(patcher, "chunking", report.line(), live=report.line)
+    return patcher
 
 
 def get_chunking(model_patcher: Any) -> ChunkingRuntime | None:
     """The chunking runtime applied to a patcher (its blocks' chunkers), if any."""
-    attachments = getattr(model_patcher, "attachments", None) or {}
-    runtime = attachments.get(names.CHUNKING_KEY)
-    return runtime if isinstance(runtime, ChunkingRuntime) else None
+    return protocol.find(model_patcher, "chunking")
 
 
 def _apply_time_floors(patcher: Any, blocks: list[torch.nn.Module]):

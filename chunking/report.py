@@ -40,8 +40,8 @@ class ChunkingReport:
     Before any forward it says what the config and the adapters visible at apply time allow.
     The block forwards then record what they ran (adapters that ComfyUI injects only while the
     model is loaded, chunks "auto" chose, phases left whole): the line becomes "exact" or names
-    every reason seen, in each status dict it was written to (`sinks`), and each reason is
-    logged once per process.
+    every reason seen (`line` is the live status line the seam reads, `protocol.record_status`),
+    and each reason is logged once per process.
     """
 
     def __init__(self, config: ChunkingConfig, block_count: int, heads: int | None,
@@ -57,7 +57,6 @@ class ChunkingReport:
                                       if floors.never(phase) and getattr(config, f"{phase}_chunk")}
         self.assumed = ""
         self.ran = False
-        self.sinks: list[dict] = []
 
     def line(self) -> str:
         if not self.ran:
@@ -79,9 +78,6 @@ class ChunkingReport:
         self.assumed = self.assumed or plan.assumed
         self.inexact.update(dict.fromkeys(new))
         self.kept.update(dict.fromkeys(kept))
-        line = self.line()
-        for sink in self.sinks:
-            sink["chunking"] = line
         for reason in new:
             if reason not in _said:
                 _said.add(reason)

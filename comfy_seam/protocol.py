@@ -1,11 +1,10 @@
 """Install / remove / describe: how every feature puts its hooks on a ComfyUI ModelPatcher.
 
 A feature never calls the patcher's hook API itself. It declares what it installs, as `Hook`s,
-and calls `install(patcher, feature, *hooks)` on its clone. The seam
-- applies each hook through the patcher's public API (`add_wrapper_with_key`,
-  `add_callback_with_key`, `set_model_patch_replace`, `add_object_patch`, `set_attachments`,
-  the override in `transformer_options`), on ComfyUI's ModelPatcher and on the twin's
-  `TwinPatcher` alike;
+and calls `install(patcher, feature, *hooks, state=obj)` on its clone. The seam
+- applies each hook through the patcher's API (`add_wrapper_with_key`, `add_callback_with_key`,
+  `set_model_patch_replace`, `add_object_patch`, the override in `transformer_options`), on
+  ComfyUI's ModelPatcher and on the twin's `TwinPatcher` alike (it implements that API);
 - keeps ONE stated order: wrappers of a type run outermost first in `ORDER` (the device guard
   encloses everything, then the prefetcher, the sequence mode, Dual-Sage, chunking), whatever
   order the nodes were applied in; wrappers of other packs run inside ours. Chained hooks (the
@@ -21,12 +20,20 @@ and calls `install(patcher, feature, *hooks)` on its clone. The seam
   wrapper or chained link, with what state, around which previous link, and whether the link is
   transparent (runs what it wraps unchanged); `live(feature)` lists every installed state still
   alive in this process (the out-of-memory guard frees their buffers).
+
+Status, written one way: a feature calls `record_status(patcher, feature, line, live=...)`
+once, when it is applied. `line` is stored in `transformer_options[STATUS_KEY][feature]` (what
+ComfyUI copies with the options). A line that becomes truer once the model runs (what the
+chunks really were, a run-time refusal) passes `live`, its state's method returning the line
+as it is now: it is kept in the feature's install record (shared by every clone made
+afterwards), and `status_lines`, the one reader, calls it at read time. Nobody rewrites a line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +47,7 @@ KEYS = {"guard": names.GUARD_KEY, "oom": names.OOM_GUARD_KEY, "prefetch": names.
         "chunking": names.CHUNKING_KEY, "attention": names.ATTENTION_KEY,
         "decode": names.DECODE_KEY}
 _UNSET = object()
+_CHAINED = ("block_patch", "override")
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class Hook:
 
     kind: "wrapper" (where = WrappersMP type), "callback" (CallbacksMP type), "object_patch"
     (where = the patcher object name, e.g. "diffusion_model.blocks.3.forward"), "block_patch"
-    (where = "dit.double_block.<i>"), "override" (the attention override), "attachment".
+    (where = "dit.double_block.<i>"), "override" (the attention override).
     value: the callable or object; for chained kinds a factory `value(previous) -> link`.
     """
 
@@ -85,15 +93,12 @@ def override(make: Callable[[Any], Callable], transparent: bool = False) -> Hook
     return Hook("override", names.OVERRIDE_KEY, make, transparent=transparent)
 
 
-def attachment(key: str, obj: Any) -> Hook:
-    return Hook("attachment", key, obj)
-
-
 @dataclass(frozen=True)
 class Installed:
     feature: str
     hooks: tuple[Hook, ...]
     state: Any = None  # the feature's live object: what `find` answers
+    status: Callable[[], str] | None = None  # the live status line (`record_status`'s `live`)
 
 
 @dataclass(frozen=True)
@@ -122,38 +127,25 @@ def is_patcher(obj: Any) -> bool:
     return isinstance(getattr(obj, "model_options", None), dict)
 
 
-def status_lines(patcher: Any) -> dict[str, str]:
-    """{feature: status line} the features recorded on a patcher (empty when none)."""
-    if not is_patcher(patcher):
-        return {}
-    recorded = patcher.model_options.get(names.TRANSFORMER_OPTIONS, {}).get(names.STATUS_KEY, {})
-    return {name: str(text) for name, text in recorded.items()}
-
-
-def record_status(patcher: Any, feature: str, line: str) -> dict:
-    """Write `feature`'s status line on a patcher (a fresh dict: a clone never writes into the
-    one its parent shares); returns the dict, which a feature may keep to rewrite the line."""
-    to = options(patcher)
-    to[names.STATUS_KEY] = {**to.get(names.STATUS_KEY, {}), feature: line}
-    return to[names.STATUS_KEY]
-
-
 def installed(patcher: Any) -> tuple[Installed, ...]:
     return tuple(options(patcher).get(names.SEAM_KEY, ()))
 
 
 def wrapper_table(patcher: Any) -> dict[str, dict[str, list]]:
     """The patcher's wrappers by type. ComfyUI internal: `ModelPatcher.wrappers` (0.33.0 and
-    the newest files); the twin keeps them in transformer_options["wrappers"] as older
-    ComfyUI did."""
-    table = getattr(patcher, "wrappers", None)
-    if isinstance(table, dict):
-        return table
-    return options(patcher).setdefault(names.WRAPPERS, {})
+    the newest files), the dict `add_wrapper_with_key` writes; read to order ours."""
+    return patcher.wrappers
 
 
 def wrappers_of(patcher: Any, wrapper_type: str, feature: str) -> list:
     return list(wrapper_table(patcher).get(wrapper_type, {}).get(KEYS[feature], []))
+
+
+def object_patches(patcher: Any) -> dict:
+    """ComfyUI internal: `ModelPatcher.object_patches`, the dict `add_object_patch` writes
+    (0.33.0 and the newest files). Read to chain patches, written to remove them (ComfyUI has
+    no call that removes one)."""
+    return patcher.object_patches
 
 
 def _options_of(patcher_or_options: Any) -> dict:
@@ -166,9 +158,7 @@ def _options_of(patcher_or_options: Any) -> dict:
 def block_patch_at(patcher_or_options: Any, index: int) -> Any:
     """The ("double_block", index) replace patch installed now (on a patcher or in a forward's
     options), or None."""
-    to = _options_of(patcher_or_options)
-    dit = to.get(names.PATCHES_REPLACE, {}).get(names.DIT_PATCH, {})
-    return dit.get((names.DOUBLE_BLOCK, index))
+    return block_patches(patcher_or_options).get((names.DOUBLE_BLOCK, index))
 
 
 def block_patches(patcher_or_options: Any) -> dict:
@@ -196,16 +186,11 @@ def find(patcher_or_options: Any, feature: str) -> Any:
     """The state `feature` installed with on this patcher, or in a forward's transformer_options
     (ComfyUI copies the record into each forward's options); the latest installation wins; None
     when it is not installed there or gave no state."""
-    if isinstance(patcher_or_options, dict):
-        entries = tuple(patcher_or_options.get(names.SEAM_KEY, ()))
-    elif is_patcher(patcher_or_options):
-        entries = installed(patcher_or_options)
-    else:
+    if not (isinstance(patcher_or_options, dict) or is_patcher(patcher_or_options)):
         return None
-    for entry in reversed(entries):
-        if entry.feature == feature and entry.state is not None:
-            return entry.state
-    return None
+    entries = tuple(_options_of(patcher_or_options).get(names.SEAM_KEY, ()))
+    return next((e.state for e in reversed(entries)
+                 if e.feature == feature and e.state is not None), None)
 
 
 def link_info(fn: Any) -> LinkInfo | None:
@@ -222,13 +207,44 @@ def live(feature: str) -> list[Any]:
     return list(_LIVE.get(feature, ()))
 
 
+# ---------------------------------------------------------------- status
+def record_status(patcher: Any, feature: str, line: str,
+                  live: Callable[[], str] | None = None) -> dict:
+    """Write `feature`'s status line on a patcher (a fresh dict: a clone never writes into the
+    one its parent shares). live: the line as it is now, called by `status_lines` at read time
+    (a feature installed on this patcher only). Returns the status dict written."""
+    to = options(patcher)
+    to[names.STATUS_KEY] = {**to.get(names.STATUS_KEY, {}), feature: line}
+    if live is not None:
+        entries = list(installed(patcher))
+        last = max((i for i, e in enumerate(entries) if e.feature == feature), default=None)
+        if last is None:
+            raise ValueError(f"a live status line needs {feature} installed on this patcher")
+        entries[last] = dataclasses.replace(entries[last], status=live)
+        to[names.SEAM_KEY] = tuple(entries)
+    return to[names.STATUS_KEY]
+
+
+def status_lines(patcher: Any) -> dict[str, str]:
+    """{feature: status line} of a patcher (empty when none): the lines recorded, each live
+    one as its feature says it now."""
+    if not is_patcher(patcher):
+        return {}
+    to = patcher.model_options.get(names.TRANSFORMER_OPTIONS, {})
+    lines = {name: str(text) for name, text in to.get(names.STATUS_KEY, {}).items()}
+    for entry in to.get(names.SEAM_KEY, ()):
+        if entry.status is not None:
+            lines[entry.feature] = entry.status()
+    return lines
+
+
 # ---------------------------------------------------------------- install
 def install(patcher: Any, feature: str, *hooks: Hook, state: Any = None) -> Any:
     """Apply `hooks` for `feature` on `patcher` (in place: pass a clone) and record them, with
     `state`, the feature's live object that `find` and `link_info` answer (weak-referenceable)."""
     if feature not in KEYS:
         raise ValueError(f"feature {feature!r} is not one the seam orders; use one of {ORDER}")
-    done = tuple(_apply(patcher, feature, hook) for hook in hooks)
+    done = tuple(_apply(patcher, KEYS[feature], hook) for hook in hooks)
     for kind in {h.where for h in done if h.kind == "wrapper"}:
         _order_wrappers(patcher, kind)
     _register(feature, state, done)
@@ -241,46 +257,29 @@ def _register(feature: str, state: Any, hooks: tuple[Hook, ...]) -> None:
     if state is not None:
         _LIVE.setdefault(feature, weakref.WeakSet()).add(state)
     for hook in hooks:
-        if hook.kind not in ("wrapper", "block_patch", "override") or hook.installed is None:
-            continue
-        previous = None if hook.previous is _UNSET else hook.previous
-        if hook.kind == "wrapper":
-            previous = None
-        _LINKS[hook.installed] = LinkInfo(feature, state, previous, hook.transparent)
+        if hook.kind in ("wrapper", *_CHAINED):
+            previous = None if hook.kind == "wrapper" or hook.previous is _UNSET \
+                else hook.previous
+            _LINKS[hook.installed] = LinkInfo(feature, state, previous, hook.transparent)
 
 
-def _apply(patcher: Any, feature: str, hook: Hook) -> Hook:
-    key = KEYS[feature]
+def _apply(patcher: Any, key: str, hook: Hook) -> Hook:
     if hook.kind == "wrapper":
-        add = getattr(patcher, "add_wrapper_with_key", None)
-        if add is not None:
-            add(hook.where, key, hook.value)
-        else:
-            wrapper_table(patcher).setdefault(hook.where, {}).setdefault(key, []).append(
-                hook.value)
-        return dataclasses.replace(hook, installed=hook.value)
-    if hook.kind == "callback":
-        add = getattr(patcher, "add_callback_with_key", None)
-        if add is None:  # the twin has no lifecycle: nothing would call it
-            return dataclasses.replace(hook, installed=None)
-        add(hook.where, key, hook.value)
-        return dataclasses.replace(hook, installed=hook.value)
-    if hook.kind == "object_patch":
+        patcher.add_wrapper_with_key(hook.where, key, hook.value)
+    elif hook.kind == "callback":
+        patcher.add_callback_with_key(hook.where, key, hook.value)
+    elif hook.kind == "object_patch":
         previous = object_patches(patcher).get(hook.where, _UNSET)
         patcher.add_object_patch(hook.where, hook.value)
         return dataclasses.replace(hook, previous=previous, installed=hook.value)
-    if hook.kind == "attachment":
-        if hasattr(patcher, "set_attachments"):
-            patcher.set_attachments(hook.where, hook.value)
-        else:
-            patcher.attachments[hook.where] = hook.value
-        return dataclasses.replace(hook, installed=hook.value)
-    if hook.kind in ("block_patch", "override"):
+    elif hook.kind in _CHAINED:
         previous = _slot(patcher, hook)
         link = hook.value(previous)
         _set_slot(patcher, hook, link)
         return dataclasses.replace(hook, previous=previous, installed=link)
-    raise ValueError(f"hook kind {hook.kind!r} is unknown")
+    else:
+        raise ValueError(f"hook kind {hook.kind!r} is unknown")
+    return dataclasses.replace(hook, installed=hook.value)
 
 
 def _order_wrappers(patcher: Any, wrapper_type: str) -> None:
@@ -290,12 +289,6 @@ def _order_wrappers(patcher: Any, wrapper_type: str) -> None:
     ours = [KEYS[f] for f in ORDER if KEYS[f] in by_key]
     table[wrapper_type] = {**{k: by_key[k] for k in ours},
                            **{k: v for k, v in by_key.items() if k not in ours}}
-
-
-def object_patches(patcher: Any) -> dict:
-    """ComfyUI internal: `ModelPatcher.object_patches`, the dict `add_object_patch` writes
-    (0.33.0 and the newest files; the twin's too). Read to chain and remove patches."""
-    return getattr(patcher, "object_patches", None) or {}
 
 
 def _block_index(hook: Hook) -> int:
@@ -309,85 +302,83 @@ def _slot(patcher: Any, hook: Hook) -> Any:
 
 
 def _set_slot(patcher: Any, hook: Hook, value: Any) -> None:
-    if hook.kind == "override":
-        to = options(patcher)
-        if value is None:
-            to.pop(names.OVERRIDE_KEY, None)
-        else:
-            to[names.OVERRIDE_KEY] = value
-        return
-    index = _block_index(hook)
-    if value is not None:
-        patcher.set_model_patch_replace(value, names.DIT_PATCH, names.DOUBLE_BLOCK, index)
-        return
     to = options(patcher)
-    replace = dict(to.get(names.PATCHES_REPLACE, {}))
-    dit = dict(replace.get(names.DIT_PATCH, {}))
-    dit.pop((names.DOUBLE_BLOCK, index), None)
-    replace[names.DIT_PATCH] = dit
-    to[names.PATCHES_REPLACE] = replace
+    if hook.kind == "override":
+        to[names.OVERRIDE_KEY] = value
+        if value is None:
+            del to[names.OVERRIDE_KEY]
+    elif value is not None:
+        patcher.set_model_patch_replace(value, names.DIT_PATCH, names.DOUBLE_BLOCK,
+                                        _block_index(hook))
+    else:  # ComfyUI has no call that removes a replace patch: fresh dicts without it
+        replace = dict(to.get(names.PATCHES_REPLACE, {}))
+        replace[names.DIT_PATCH] = {k: v for k, v in replace.get(names.DIT_PATCH, {}).items()
+                                    if k != (names.DOUBLE_BLOCK, _block_index(hook))}
+        to[names.PATCHES_REPLACE] = replace
 
 
 # ---------------------------------------------------------------- remove
 def remove(patcher: Any, feature: str) -> Any:
     """A clone of `patcher` without what `feature` installed (every installation of it).
 
-    Chains are rebuilt from what was there before the pack's first link, with the remaining
+    Chains are rebuilt from what was there before the feature's first link, with the remaining
     features' links in their install order. A link of another pack installed on top of ours
     cannot be re-wired: that is refused with a ValueError naming the slot.
     """
     entries = installed(patcher)
-    if not any(e.feature == feature for e in entries):
+    if not has(patcher, feature):
         raise ValueError(f"{feature} is not installed on this model (installed: "
                          f"{', '.join(e.feature for e in entries) or 'nothing'})")
     clone = patcher.clone()
-    key = KEYS[feature]
     mine = [h for e in entries if e.feature == feature for h in e.hooks]
     for hook in mine:
-        if hook.kind == "wrapper":
-            table = wrapper_table(clone)
-            by_key = dict(table.get(hook.where, {}))
-            by_key.pop(key, None)
-            table[hook.where] = by_key
-        elif hook.kind == "callback" and hook.installed is not None:
-            clone.remove_callbacks_with_key(hook.where, key)
-        elif hook.kind == "object_patch":
-            patches = object_patches(clone)
-            if hook.previous is _UNSET:
-                patches.pop(hook.where, None)
-            else:
-                patches[hook.where] = hook.previous
-        elif hook.kind == "attachment":
-            attachments = getattr(clone, "attachments", {})
-            attachments.pop(hook.where, None)
-    kept: list[Installed] = []
-    rebuilt: dict[tuple[str, str], Any] = {}
-    slots = {(h.kind, h.where) for h in mine if h.kind in ("block_patch", "override")}
-    for slot in slots:
-        links = [(e, h) for e in entries for h in e.hooks if (h.kind, h.where) == slot]
-        top = links[-1][1]
-        if _slot(clone, top) is not top.installed:
-            raise ValueError(f"{slot[1]} was patched by another pack after {feature}: remove "
-                             f"that one first, or rebuild the model without {feature}")
-        rebuilt[slot] = links[0][1].previous
-    for entry in entries:
-        if entry.feature == feature:
-            continue
-        hooks = []
-        for hook in entry.hooks:
-            slot = (hook.kind, hook.where)
-            if slot in rebuilt:
-                previous = rebuilt[slot]
-                link = hook.value(previous)
-                rebuilt[slot] = link
-                hook = dataclasses.replace(hook, previous=previous, installed=link)
-            hooks.append(hook)
-        _register(entry.feature, entry.state, tuple(hooks))
-        kept.append(Installed(entry.feature, tuple(hooks), entry.state))
-    for (kind, where), value in rebuilt.items():
+        _unhook(clone, KEYS[feature], hook)
+    bases = {(h.kind, h.where): _chain_base(clone, feature, entries, h)
+             for h in mine if h.kind in _CHAINED}
+    kept = tuple(_relink(entry, bases) for entry in entries if entry.feature != feature)
+    for (kind, where), value in bases.items():
         _set_slot(clone, Hook(kind, where, None), value)
-    options(clone)[names.SEAM_KEY] = tuple(kept)
+    options(clone)[names.SEAM_KEY] = kept
     return clone
+
+
+def _unhook(clone: Any, key: str, hook: Hook) -> None:
+    """Take one non-chained hook off (chained ones are rebuilt by `_relink`)."""
+    if hook.kind == "wrapper":
+        clone.remove_wrappers_with_key(hook.where, key)
+    elif hook.kind == "callback":
+        clone.remove_callbacks_with_key(hook.where, key)
+    elif hook.kind == "object_patch":
+        patches = object_patches(clone)
+        if hook.previous is _UNSET:
+            patches.pop(hook.where, None)
+        else:
+            patches[hook.where] = hook.previous
+
+
+def _chain_base(clone: Any, feature: str, entries: tuple[Installed, ...], hook: Hook) -> Any:
+    """What the slot held before the pack's first link there; refused when another pack's link
+    sits on top of ours (it holds our link and cannot be re-wired)."""
+    links = [h for e in entries for h in e.hooks if (h.kind, h.where) == (hook.kind, hook.where)]
+    if _slot(clone, hook) is not links[-1].installed:
+        raise ValueError(f"{hook.where} was patched by another pack after {feature}: remove "
+                         f"that one first, or rebuild the model without {feature}")
+    return links[0].previous
+
+
+def _relink(entry: Installed, bases: dict[tuple[str, str], Any]) -> Installed:
+    """`entry` with its links in the rebuilt chains built again around the new previous link
+    (`bases` advances to each new top link)."""
+    hooks = []
+    for hook in entry.hooks:
+        slot = (hook.kind, hook.where)
+        if slot in bases:
+            link = hook.value(bases[slot])
+            hook = dataclasses.replace(hook, previous=bases[slot], installed=link)
+            bases[slot] = link
+        hooks.append(hook)
+    _register(entry.feature, entry.state, tuple(hooks))
+    return dataclasses.replace(entry, hooks=tuple(hooks))
 
 
 # ---------------------------------------------------------------- describe
@@ -403,19 +394,14 @@ def describe(patcher: Any) -> list[Row]:
     """What the pack installed on this patcher, by whom, in which order: wrappers in the order
     they run (outermost first), then the chained hooks in install order."""
     entries = installed(patcher)
-    rows: list[Row] = []
-    for feature in ORDER:
-        for entry in entries:
-            if entry.feature != feature:
-                continue
-            for hook in entry.hooks:
-                if hook.kind in ("wrapper", "callback", "object_patch", "attachment"):
-                    rows.append(Row(ORDER.index(feature), feature, hook.kind, hook.where))
-    for i, entry in enumerate(entries):
-        for hook in entry.hooks:
-            if hook.kind in ("block_patch", "override"):
-                rows.append(Row(i, entry.feature, hook.kind, hook.where))
-    return rows
+    rows = [Row(ORDER.index(f), f, h.kind, h.where) for f in ORDER for e in entries
+            if e.feature == f for h in e.hooks if h.kind not in _CHAINED]
+    return rows + [Row(i, e.feature, h.kind, h.where) for i, e in enumerate(entries)
+                   for h in e.hooks if h.kind in _CHAINED]
+
+
+_LABELS = {"block_patch": "block patch", "object_patch": "object patch",
+           "override": "attention override"}
 
 
 def describe_line(patcher: Any) -> str:
@@ -425,19 +411,12 @@ def describe_line(patcher: Any) -> str:
         return "nothing installed"
     parts = []
     for feature in ORDER:
-        hooks = [h for e in entries if e.feature == feature for h in e.hooks]
-        if not hooks:
-            continue
-        counts: dict[str, int] = {}
-        for hook in hooks:
-            label = {"wrapper": f"{hook.where} wrapper", "callback": f"{hook.where} callback",
-                     "block_patch": "block patch", "object_patch": "object patch",
-                     "override": "attention override", "attachment": "attachment"}[hook.kind]
-            counts[label] = counts.get(label, 0) + 1
-        what = ", ".join(f"{n}x {k}" if n > 1 else k for k, n in counts.items())
-        parts.append(f"{feature} ({what})")
-    chained = [e.feature for e in entries
-               if any(h.kind in ("block_patch", "override") for h in e.hooks)]
+        counts = Counter(_LABELS.get(h.kind, f"{h.where} {h.kind}") for e in entries
+                         if e.feature == feature for h in e.hooks)
+        if counts:
+            what = ", ".join(f"{n}x {k}" if n > 1 else k for k, n in counts.items())
+            parts.append(f"{feature} ({what})")
+    chained = [e.feature for e in entries if any(h.kind in _CHAINED for h in e.hooks)]
     line = "hooks, outermost first: " + " > ".join(parts)
     if chained:
         line += "; chained in install order: " + " < ".join(chained)

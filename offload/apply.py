@@ -1,4 +1,4 @@
-"""`PrefetchConfig` and `apply_block_prefetch`: stream DiT blocks from host memory.
+"""`apply_block_prefetch`: stream DiT blocks from host memory (settings: `config.PrefetchConfig`).
 
 `apply_block_prefetch` clones the patcher and installs the hooks of `comfy_hooks` (public
 ComfyUI hooks only): block replace patches and refiner object patches that bracket a streamed
@@ -29,14 +29,13 @@ prefetcher streams, its host copies pinned within ComfyUI's pin budget (`comfy_s
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..comfy_seam import protocol
 from ..comfy_seam.memory import (
     comfy_pin_budget,
     dynamic_vram_line,
@@ -47,79 +46,11 @@ from ..comfy_seam.memory import (
 from ..common.engine import root_device
 from ..guard.interrupt import check_interrupt
 from . import policy, sizing
+from .config import GIB, PrefetchConfig, host_memory_bytes
 from .streamer import BlockStreamer, Source
 from .weights import leaves_of, module_bytes
 
 log = logging.getLogger(__name__)
-
-GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class PrefetchConfig:
-    """How many DiT blocks stay resident and how the others stream.
-
-    resident_blocks: a count (0..blocks) or "auto" (before the first load: as many as fit in
-        the free VRAM minus `activation_reserve_bytes`, leaving room for the slots).
-    lookahead: K, how many streamed blocks ahead are copied (K + 1 device slots).
-    pinned_budget_bytes: page-locked host memory for block copies; None = inside ComfyUI what
-        is left of ComfyUI's own pin budget (MAX_PINNED_MEMORY), outside it half the host's
-        RAM. Inside ComfyUI a given budget is capped by ComfyUI's too. Blocks past it stay
-        pageable and stream through a small pinned staging ring.
-    source: "auto" (pinned within the budget, staged beyond), "pinned" (all pinned; the budget
-        must cover them), "pageable" (all staged; least pinned memory).
-    stream_refiner: stream the token refiner's blocks too (when any DiT block streams), once
-        per sampling run, ahead of the DiT blocks.
-    """
-
-    resident_blocks: int | str = "auto"
-    lookahead: int = 2
-    pinned_budget_bytes: int | None = None
-    source: str = "auto"
-    stream_refiner: bool = True
-    activation_reserve_bytes: int = 8 * GIB
-    staging_buffers: int = sizing.STAGING_BUFFERS
-
-    def __post_init__(self) -> None:
-        r = self.resident_blocks
-        if r != "auto" and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
-            raise ValueError(f"resident_blocks={r!r}: use 'auto' or a block count >= 0")
-        if not isinstance(self.lookahead, int) or self.lookahead < 1:
-            raise ValueError(f"lookahead={self.lookahead!r}: use an integer >= 1 (2 is typical)")
-        budget = self.pinned_budget_bytes
-        if budget is not None and (not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"pinned_budget_bytes={budget!r}: use None (ComfyUI's pin budget, "
-                             "or half the host RAM outside ComfyUI) or a byte count >= 0")
-        if self.source not in {s.value for s in Source}:
-            raise ValueError(f"source={self.source!r}: use 'auto', 'pinned' or 'pageable'")
-        if self.activation_reserve_bytes < 0:
-            raise ValueError(f"activation_reserve_bytes={self.activation_reserve_bytes}: use >= 0")
-        if self.staging_buffers < 1:
-            raise ValueError(f"staging_buffers={self.staging_buffers}: use >= 1 (2 is typical)")
-
-    @property
-    def source_mode(self) -> Source:
-        return Source(self.source)
-
-    @classmethod
-    def from_plan(cls, prefetch: Any, **overrides: Any) -> PrefetchConfig:
-        """From the planner's `Plan.prefetch` (resident_blocks, lookahead, pinned_budget_bytes)."""
-        values = {"resident_blocks": prefetch.resident_blocks, "lookahead": prefetch.lookahead,
-                  "pinned_budget_bytes": prefetch.pinned_budget_bytes}
-        return cls(**{**values, **overrides})
-
-
-def host_memory_bytes() -> int | None:
-    """Physical host memory, or None when it cannot be read (then the budget is unlimited)."""
-    try:
-        import psutil  # ComfyUI depends on it; optional here
-        return int(psutil.virtual_memory().total)
-    except ImportError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 # one BlockPrefetch per (model, settings): a LoRA or a prefetch node applied again on the same
@@ -382,7 +313,7 @@ def apply_block_prefetch(model_patcher: Any, config: PrefetchConfig) -> Any:
     patcher = model_patcher.clone()
     if is_dynamic(model_patcher):
         # ComfyUI streams this model itself: a second streamer would copy every block twice
-        comfy_hooks.record_status(patcher, (
+        protocol.record_status(patcher, "prefetch", (
             "off: ComfyUI's DynamicVRAM streams this model's weights, the block prefetcher "
             f"stands aside; {dynamic_vram_line(model_patcher)}"))
         return patcher
@@ -391,15 +322,13 @@ def apply_block_prefetch(model_patcher: Any, config: PrefetchConfig) -> Any:
             and prefetch.streamer is None:
         prefetch.resolve()  # raises on a too-small budget now; moves nothing
     comfy_hooks.install(patcher, prefetch)
-    comfy_hooks.record_status(patcher, _status(config, blocks, budget))
+    protocol.record_status(patcher, "prefetch", _status(config, blocks, budget))
     return patcher
 
 
 def get_block_prefetch(model_patcher: Any) -> BlockPrefetch | None:
     """The `BlockPrefetch` installed on a patcher by `apply_block_prefetch`, if any."""
-    from . import comfy_hooks
-
-    return comfy_hooks.find(model_patcher)
+    return protocol.find(model_patcher, "prefetch")
 
 
 def _status(config: PrefetchConfig, blocks: int, budget: int | None) -> str:

@@ -20,8 +20,10 @@ On the patcher clone:
 - a PREPARE_SAMPLING wrapper (before ComfyUI's loader): decides residency and sets the
   patcher's `model_size()` to what goes on the device;
 - callbacks ON_LOAD (notes ComfyUI's own lowvram streaming), ON_DETACH (frees slots, unpins),
-  ON_APPLY_HOOKS (weight hooks patch in place: slot copies are stale);
-- an attachment naming the `BlockPrefetch`, for `get_block_prefetch`.
+  ON_APPLY_HOOKS (weight hooks patch in place: slot copies are stale).
+The `BlockPrefetch` is the state installed with them: `protocol.find(patcher, "prefetch")`
+answers it (`get_block_prefetch`, the sequence mode), and the block patches are marked
+transparent (`protocol.link_info`).
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ from ..comfy_seam import loader, names, protocol
 from ..comfy_seam.devices import device_context
 from .apply import BlockPrefetch
 
-ATTACHMENT = names.PREFETCH_KEY
 _UNSET = object()
 _MATH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def install(patcher: Any, prefetch: BlockPrefetch) -> None:
+    # transparent: a block patch only brackets the block with weight copies and never reads the
+    # residual stream, so the sequence mode keeps its rows split across it
     hooks = [protocol.block_patch(i, lambda previous, i=i: _block_patch(
-        prefetch, f"blocks.{i}", previous)) for i in range(prefetch.blocks)]
+        prefetch, f"blocks.{i}", previous), transparent=True) for i in range(prefetch.blocks)]
     for j in range(prefetch.refiner_blocks):
         key = f"diffusion_model.token_refiner.blocks.{j}.forward"
         hooks.append(protocol.object_patch(key, _refiner_forward(
@@ -57,26 +60,8 @@ def install(patcher: Any, prefetch: BlockPrefetch) -> None:
         protocol.callback(names.ON_DETACH, lambda p, unpatch_all: prefetch.on_detach(
             p, unpatch_all)),
         protocol.callback(names.ON_APPLY_HOOKS, lambda p, hooks: _invalidate(prefetch)),
-        protocol.attachment(ATTACHMENT, prefetch),
     ]
-    protocol.install(patcher, "prefetch", *hooks)
-
-
-def find(patcher: Any) -> BlockPrefetch | None:
-    """The `BlockPrefetch` on a patcher: its attachment, else its diffusion-model wrapper."""
-    attachments = getattr(patcher, "attachments", None) or {}
-    if isinstance(attachments.get(ATTACHMENT), BlockPrefetch):
-        return attachments[ATTACHMENT]
-    for fn in protocol.wrappers_of(patcher, names.DIFFUSION_MODEL, "prefetch"):
-        prefetch = getattr(fn, "block_prefetch", None)
-        if prefetch is not None:
-            return prefetch
-    return None
-
-
-def record_status(patcher: Any, line: str) -> None:
-    options = protocol.options(patcher)
-    options[names.STATUS_KEY] = {**options.get(names.STATUS_KEY, {}), "prefetch": line}
+    protocol.install(patcher, "prefetch", *hooks, state=prefetch)
 
 
 def _invalidate(prefetch: BlockPrefetch) -> None:
@@ -97,10 +82,6 @@ def _block_patch(prefetch: BlockPrefetch, block_id: str, previous: Callable | No
             return prefetch.run(block_id, lambda: previous(args, extra))
         return prefetch.run(block_id, lambda: extra["original_block"](args))
 
-    # it only brackets the block with weight copies and never reads the residual stream: the
-    # sequence mode keeps its rows split across it (and finds the patches chained inside it)
-    patch.h3_multigpu_transparent = True  # type: ignore[attr-defined]
-    patch.h3_multigpu_previous = previous  # type: ignore[attr-defined]
     return patch
 
 
@@ -128,7 +109,6 @@ def _diffusion_wrapper(prefetch: BlockPrefetch) -> Callable:
                 options[names.PREFETCH_DYNAMIC_VBARS] = False
             return executor(*args, **kwargs)
 
-    wrapper.block_prefetch = prefetch  # type: ignore[attr-defined]
     return wrapper
 
 

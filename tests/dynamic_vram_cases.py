@@ -27,7 +27,9 @@ from comfyui_h3 import (
     run_like_sampler,
 )
 
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.comfy_seam.memory import free_vram_bytes
+from h3_multigpu.guard.device import guard_diffusion_model
 from h3_multigpu.nodes.devices import gpu_inventory
 from h3_multigpu.nodes.features import apply_plan
 from h3_multigpu.nodes.placement import placement_from_plan
@@ -207,12 +209,12 @@ def test_chunking_under_dynamic_vram_equals_unpatched(cfg, lora):
     ref = run_like_sampler(base, data, sigmas=SIGMAS)
     # S = 64 text + 40 audio + 3 x 64 video + 64 keyframe rows: chunks of 1 (INT8) or 4096
     # rows would not split; these explicit sizes do (the status says where they may differ)
-    chunked = apply_activation_chunking(base, ChunkingConfig(ffn_chunk=128, qkv_chunk=96,
-                                                             head_group=4))
+    chunked = guard_diffusion_model(apply_activation_chunking(base, ChunkingConfig(
+        ffn_chunk=128, qkv_chunk=96, head_group=4)))
     out = run_like_sampler(chunked, data, sigmas=SIGMAS)
     calls = sum(c.calls["mlp"] for c in get_chunking(chunked).chunkers.values())
     assert calls > len(SIGMAS[:-1]) * cfg.blocks  # more than one chunk per block call
-    line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    line = protocol.status_lines(chunked)["chunking"]
     if line.endswith("; exact"):
         assert same(out, ref)
     else:  # bf16 chunks below the GPU's floors: within bf16 rounding of the unchunked run

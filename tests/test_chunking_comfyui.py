@@ -39,6 +39,7 @@ from h3_multigpu.chunking import (
 )
 from h3_multigpu.chunking.formats import activation_adapters
 from h3_multigpu.comfy_seam import h3 as seam_h3
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.comfy_seam.h3 import weight_format
 from h3_multigpu.common import exact_rows
 
@@ -237,7 +238,7 @@ def test_chunked_real_model_equals_unpatched(case, lora_sd, monkeypatch):
         if case == "bypass_lora":
             assert bypass_adapted_modules(chunked) == 4 * (CONFIG.blocks + CONFIG.refiner_blocks)
         _same_as_unpatched(out, reference, chunked, tokens, chunks, rank)
-        line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+        line = protocol.status_lines(chunked)["chunking"]
         assert line.endswith("exact") == (config is not EXPLICIT), line
 
 
@@ -320,7 +321,7 @@ def test_int8_convrot_chunked_equals_unpatched(case, lora_sd, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(out, reference, strict=True))
     lora = case in ("lora", "lora_lowvram", "bypass_lora")  # it changes the output
     assert lora != all(torch.equal(a, b) for a, b in zip(out, base, strict=True))
-    line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    line = protocol.status_lines(chunked)["chunking"]
     assert line.endswith("; exact"), line
     formats = dict(forward.weight_formats())
     if case == "lora_lowvram":

@@ -5,7 +5,8 @@ ModelPatcher and sampler path.
 
 The reference is ComfyUI's own unpatched output, computed with cuda:1 current (the unpatched
 model cannot run with cuda:0 current: comfy-kitchen's DLPack export needs its device). Chunked
-runs go through `apply_activation_chunking`, whose device guard makes cuda:1 current.
+runs go through `apply_activation_chunking` and the DiT device guard (as the nodes compose
+them), which makes cuda:1 current.
 Exact settings (the planner's 4096-row / 14-head choice, "auto") must be bit-identical: with an
 on-activation LoRA of rank 128 on every linear the row chunks stay above the measured floors of
 its down projections (chunking/exact_rows.json: fc2's needs 8,192 rows). A rank-32 LoRA on fc2
@@ -41,6 +42,8 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking, sizing
+from h3_multigpu.comfy_seam import protocol
+from h3_multigpu.guard.device import guard_diffusion_model
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.multi_gpu]
 
@@ -77,7 +80,8 @@ def _reference(patcher, inputs, **kwargs):
 
 def _chunked(patcher, config, inputs, **kwargs):
     """Run chunked; returns (outputs, patcher, the block's RowPlan, tokens, status line)."""
-    chunked = apply_activation_chunking(patcher, config)
+    # composed as the nodes do: the DiT device guard makes cuda:1 current
+    chunked = guard_diffusion_model(apply_activation_chunking(patcher, config))
     with CallCounter(chunked) as counts, AttentionCounter() as attention:
         out = run_like_sampler(chunked, inputs, **kwargs)
     chunker = get_chunking(chunked).chunkers[0]
@@ -90,7 +94,7 @@ def _chunked(patcher, config, inputs, **kwargs):
     assert counts.per_block("mlp.fc1") == fc1
     assert chunker.calls["attn.qkv_proj"] >= qkv and chunker.calls["mlp"] >= fc1
     assert attention.default - WIDE.refiner_blocks == WIDE.blocks * groups
-    line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    line = protocol.status_lines(chunked)["chunking"]
     return out, chunked, plan, tokens, line
 
 

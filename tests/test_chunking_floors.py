@@ -23,6 +23,7 @@ from h3_multigpu.chunking import (
     sizing,
 )
 from h3_multigpu.chunking.sizing import Adapters, BlockDims, RowFloors
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common import exact_rows
 
 H200 = "NVIDIA H200"
@@ -161,7 +162,7 @@ def _rows_seen(model) -> dict[str, list[int]]:
 
 
 def _line(patcher) -> str:
-    return patcher.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    return protocol.status_lines(patcher)["chunking"]
 
 
 def test_chunks_stay_above_every_adapter_floor_and_are_exact(fake_floors, lora_twin):

@@ -31,8 +31,10 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking, sizing
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.comfy_seam.h3 import weight_format
 from h3_multigpu.common.exact_rows import INT8_FUSED_FC2_MIN_ROWS
+from h3_multigpu.guard.device import guard_diffusion_model
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu]
 
@@ -60,7 +62,7 @@ def test_int8_chunks_below_the_bf16_floor_are_bit_identical(int8_model, case):
     inputs = make_inputs(WIDE_INT8, latent_thw=SHORT, keyframe=True, audio_mask=True)
     with torch.cuda.device(0):
         reference = run_like_sampler(patcher, inputs)
-        chunked = apply_activation_chunking(patcher, SMALL)
+        chunked = guard_diffusion_model(apply_activation_chunking(patcher, SMALL))
         with CallCounter(chunked) as counts:
             out = run_like_sampler(chunked, inputs)
     forward = get_chunking(chunked).chunkers[0]
@@ -70,7 +72,7 @@ def test_int8_chunks_below_the_bf16_floor_are_bit_identical(int8_model, case):
     fc1 = len(sizing.row_chunks(tokens, 777, plan.ffn_floor))
     assert fc1 > 2 and counts.per_block("mlp.fc1") == fc1  # chunks of ~777 rows ran
     assert counts.calls["mlp.fc2"] == 0  # the fused INT8 SwiGLU fc2: no fc2.forward
-    line = chunked.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    line = protocol.status_lines(chunked)["chunking"]
     if case == "bypass_lora":
         # the adapters' own GEMMs are bf16 ones: rank 32 has measured floors on H200 only, so
         # elsewhere (or below them) the line says may differ; fc2's does not run at all

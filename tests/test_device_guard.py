@@ -109,11 +109,11 @@ def test_guard_is_installed_once_and_encloses_other_wrappers():
 
 def test_every_feature_apply_installs_the_guard(tiny_twin, monkeypatch):
     base = TwinPatcher(tiny_twin)
-    chunked = apply_activation_chunking(base, ChunkingConfig(ffn_chunk=8))
+    # a feature installs no guard of its own (features do not call each other): the nodes'
+    # glue, which composes them, guards whatever a feature's apply returns
+    assert not has_device_guard(apply_activation_chunking(base, ChunkingConfig(ffn_chunk=8)))
+    chunked = apply_from_strings(base, "chunking", ffn_chunk="8")
     assert has_device_guard(chunked) and not has_device_guard(base)
-    # the nodes' glue guards whatever a feature's apply returns (Dual-Sage, prefetch, sequence
-    # parallel), even
-    # a feature that installs no guard of its own
     load = features._load
 
     def unguarded_apply(module, *names):

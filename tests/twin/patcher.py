@@ -1,10 +1,14 @@
 """A small stand-in for ComfyUI's ModelPatcher, enough to run every `apply_*` on the twin.
 
-It implements the public surface our features use, with ComfyUI's semantics:
-`clone()` shares the model and copies `model_options` (so patches on a clone do not leak back),
-`model_options["transformer_options"]`, `set_model_patch_replace`, `add_object_patch`
-(applied while the model runs, restored after), `add_wrapper_with_key`, `get_model_object`,
-`load_device` / `offload_device`, and `set_model_optimized_attention`-style override install.
+It implements the ModelPatcher API the seam (`comfy_seam.protocol`) calls, with ComfyUI's
+semantics, so the seam has one code path for both: `clone()` shares the model and copies
+`model_options`, `object_patches`, `callbacks`, `wrappers` and `attachments` (so patches on a
+clone do not leak back), `model_options["transformer_options"]`, `set_model_patch_replace`,
+`add_object_patch` / `object_patches` (applied while the model runs, restored after),
+`add_wrapper_with_key` / `remove_wrappers_with_key` / `wrappers`, `add_callback_with_key` /
+`remove_callbacks_with_key` / `callbacks` (recorded; the twin has no load lifecycle that would
+call them), `set_attachments` / `remove_attachments`, `get_model_object`, `load_device` /
+`offload_device`, and `set_model_optimized_attention`-style override install.
 On real ComfyUI the same `apply_*` functions receive a real ModelPatcher instead.
 """
 
@@ -34,6 +38,7 @@ class TwinPatcher:
         self.model_options: dict[str, Any] = {"transformer_options": {}}
         self.object_patches: dict[str, Any] = {}
         self.attachments: dict[str, Any] = {}
+        self.callbacks: dict[str, dict[str, list[Callable]]] = {}
 
     # ---------------------------------------------------------------- ComfyUI's surface
     def clone(self) -> TwinPatcher:
@@ -44,7 +49,16 @@ class TwinPatcher:
         n.model_options = _copy_options(self.model_options)
         n.object_patches = dict(self.object_patches)
         n.attachments = dict(self.attachments)
+        n.callbacks = {kind: {key: list(fns) for key, fns in by_key.items()}
+                       for kind, by_key in self.callbacks.items()}
         return n
+
+    @property
+    def wrappers(self) -> dict[str, dict[str, list[Callable]]]:
+        """{wrapper type: {key: [wrapper, ...]}}, ComfyUI's `ModelPatcher.wrappers`. Kept where
+        the twin's DiT reads them, in transformer_options["wrappers"]: the copy ComfyUI makes
+        there per sampling run (clone copies it with model_options)."""
+        return self.model_options["transformer_options"].setdefault("wrappers", {})
 
     def get_model_object(self, name: str) -> Any:
         if name in self.object_patches:
@@ -65,8 +79,22 @@ class TwinPatcher:
         to.setdefault("patches_replace", {}).setdefault(name, {})[key] = patch
 
     def add_wrapper_with_key(self, wrapper_type: str, key: str, fn: Callable) -> None:
-        to = self.model_options["transformer_options"]
-        to.setdefault("wrappers", {}).setdefault(wrapper_type, {}).setdefault(key, []).append(fn)
+        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(fn)
+
+    def remove_wrappers_with_key(self, wrapper_type: str, key: str) -> None:
+        self.wrappers.get(wrapper_type, {}).pop(key, None)
+
+    def add_callback_with_key(self, call_type: str, key: str, fn: Callable) -> None:
+        self.callbacks.setdefault(call_type, {}).setdefault(key, []).append(fn)
+
+    def remove_callbacks_with_key(self, call_type: str, key: str) -> None:
+        self.callbacks.get(call_type, {}).pop(key, None)
+
+    def set_attachments(self, key: str, attachment: Any) -> None:
+        self.attachments[key] = attachment
+
+    def remove_attachments(self, key: str) -> None:
+        self.attachments.pop(key, None)
 
     def set_model_optimized_attention(self, fn: Callable) -> None:
         self.model_options["transformer_options"]["optimized_attention_override"] = fn
