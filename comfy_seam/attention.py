@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
+from . import protocol
+
 _running_attention: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "h3_multigpu_running_attention", default=None)
 
@@ -27,15 +29,12 @@ class RecordAttentionModule:
 
     Chains the patch that was there (offload's, a user's) or calls the original block. A patch
     that passes its own `attention` module in `args` is honoured (upstream's DiTBlock takes one).
+    Installed by `recorder_patches`.
     """
-
-    # it never reads the residual stream: the sequence mode may keep its rows split across it
-    h3_multigpu_transparent = True
 
     def __init__(self, attention_module: Any, previous: Any = None):
         self.attention_module = attention_module
         self.previous = previous
-        self.h3_multigpu_previous = previous  # the chain the sequence mode walks
 
     def __deepcopy__(self, memo) -> RecordAttentionModule:
         return self  # holds the model's own module: never copied with model_options
@@ -50,3 +49,18 @@ class RecordAttentionModule:
             return extra["original_block"](args)
         finally:
             _running_attention.reset(token)
+
+
+def recorder_patches(diffusion_model: Any) -> list[protocol.Hook]:
+    """One `RecordAttentionModule` block patch per DiT block, chaining the one there. Marked
+    transparent: it never reads the residual stream, so the sequence mode keeps its rows split
+    across it."""
+    hooks = []
+    for i, block in enumerate(getattr(diffusion_model, "blocks", None) or []):
+        attention = getattr(block, "attn", None)
+        if attention is not None:
+            hooks.append(protocol.block_patch(
+                i, lambda previous, attention=attention: RecordAttentionModule(attention,
+                                                                               previous),
+                transparent=True))
+    return hooks

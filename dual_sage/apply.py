@@ -14,6 +14,9 @@ Installs, on a clone of the patcher, through the seam (`comfy_seam.protocol`, fe
 3. a DIFFUSION_MODEL wrapper that makes the root GPU current while the DiT runs;
 4. ComfyUI ON_CLEANUP / ON_DETACH callbacks that free the helper workspaces and forget helper
    failures after each sampling run and when the model is unloaded.
+Its state is the `ShardedAttention` (`protocol.find(patcher, "dual_sage")` answers it, and
+`protocol.live("dual_sage")` lists it for the out-of-memory guard). The override and the
+function it shards: `override`.
 
 Chaining, both directions:
 - an override installed BEFORE Dual-Sage keeps priority: it is called with a `ShardingFunction`
@@ -36,24 +39,28 @@ from typing import Any
 import torch
 
 from ..comfy_seam import names, protocol
-from ..comfy_seam.attention import RecordAttentionModule, running_attention_module
+from ..comfy_seam.attention import recorder_patches
 from ..comfy_seam.devices import device_context
 from ..comfy_seam.h3 import default_attention as seam_default_attention
-from ..comfy_seam.h3 import preferred_function
 from ..common import geometry
 from ..common.devices import parse_devices, validate_devices
-from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
 from ..kernels import backend_names, backend_refusal
 from ..kernels.comfy_calling import backend_function
 from . import sizing
 from .exactness import ExactRange, claim, function_name
+from .override import (  # noqa: F401  (ShardingFunction, per_heads: read from here too)
+    COMFYUI_FUNCTION,
+    DualSageOverride,
+    ShardingFunction,
+    attention_modules,
+    per_heads,
+)
 from .shard_plan import ShardPlan, parse_split
-from .sharded import Attend, ShardedAttention, warn_once
+from .sharded import ShardedAttention
 
 log = logging.getLogger(__name__)
 
-COMFYUI_FUNCTION = "comfyui"  # backend value: shard whatever ComfyUI would run (the default)
 DEFAULT_LINK_GBPS = {TransportMode.PEER: 300.0, TransportMode.HOST: 25.0}
 DEFAULT_TFLOPS = 550.0  # bf16 attention of one current GPU; only the ratio between GPUs matters
 
@@ -189,126 +196,6 @@ def build_sharded_attention(model_patcher: Any, config: DualSageConfig) -> Shard
                             exact_range=ExactRange.load() if config.exact_only else None)
 
 
-def _unwrap(value: Any) -> Any:
-    """A container's tensor (newest ComfyUI's AttentionTensorContainer), or the value itself."""
-    if type(value).__name__ == "AttentionTensorContainer" and callable(getattr(value, "take",
-                                                                               None)):
-        return value.take()
-    return value
-
-
-def per_heads(function: Any, kwargs: dict[str, Any]) -> Attend:
-    """`attend(q, k, v)` for a head subset: `function` with the call's own keywords."""
-
-    def attend(q_BhSD: torch.Tensor, k_BhSD: torch.Tensor, v_BhSD: torch.Tensor
-               ) -> torch.Tensor:
-        b, h, s, d = q_BhSD.shape
-        out = function(q_BhSD, k_BhSD, v_BhSD, h, **kwargs)
-        if out.dim() == 4:  # skip_output_reshape: [B, h, S, D]
-            return out
-        return out.reshape(b, s, h, d).transpose(1, 2)
-
-    return attend
-
-
-class ShardingFunction:
-    """An attention function in ComfyUI's convention that shards `function` over the GPUs.
-
-    `with_function(other)` shards another function instead: the hook an override chained
-    under Dual-Sage uses to have its own kernel sharded.
-    """
-
-    def __init__(self, sharded: ShardedAttention, function: Any):
-        self.sharded = sharded
-        self.function = function
-
-    def with_function(self, function: Any) -> ShardingFunction:
-        return ShardingFunction(self.sharded, function)
-
-    def __call__(self, q: Any, k: Any, v: Any, heads: int, *args: Any, **kwargs: Any) -> Any:
-        """Shard when the call is H3's `[1, H, S, D]` unmasked attention, else `function`."""
-        q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
-        if not heads_allowed(kwargs.get(names.TRANSFORMER_OPTIONS)):
-            # this step runs sequence-parallel (the call is already one GPU's head share) or on
-            # one GPU: the function ComfyUI would run, unsharded
-            return self.function(q, k, v, heads, *args, **kwargs)
-        shardable = (not args and kwargs.get("mask") is None and kwargs.get("skip_reshape")
-                     and q.dim() == 4 and q.shape[1] == heads and q.shape == k.shape == v.shape)
-        if not shardable:
-            return self.function(q, k, v, heads, *args, **kwargs)
-        out_BSF = self.sharded(q, k, v, per_heads(self.function, kwargs))
-        if kwargs.get("skip_output_reshape"):
-            b, h, s, d = q.shape
-            return out_BSF.view(b, s, h, d).transpose(1, 2)
-        return out_BSF
-
-
-class DualSageOverride:
-    """`optimized_attention_override(func, q, k, v, heads, **kwargs)` running the shard."""
-
-    def __init__(self, sharded: ShardedAttention, previous: Any = None,
-                 backend: str = COMFYUI_FUNCTION, diffusion_model: Any = None):
-        self.sharded = sharded
-        self.previous = previous
-        self.explicit_backend = backend
-        self.diffusion_model = diffusion_model
-
-    def __deepcopy__(self, memo) -> DualSageOverride:
-        # ComfyUI deep-copies model_options on clone: every clone shares this runtime (its
-        # streams and workspaces), as it shares the model
-        return self
-
-    def __call__(self, func: Any, q: Any, k: Any, v: Any, heads: int, *args: Any,
-                 **kwargs: Any) -> Any:
-        options = kwargs.get(names.TRANSFORMER_OPTIONS)
-        outermost = isinstance(options, dict) and protocol.override_of(options) is self
-        sharding = ShardingFunction(self.sharded, self.function_for(func, outermost))
-        if self.previous is not None:
-            return self.previous(sharding, q, k, v, heads, *args, **kwargs)
-        return sharding(q, k, v, heads, *args, **kwargs)
-
-    def function_for(self, func: Any, outermost: bool) -> Any:
-        """What ComfyUI would run for this call if Dual-Sage were not installed.
-
-        Called by a later override: `func`, that override's choice (as the SageAttention
-        node's kernel). Called by ComfyUI itself: an explicitly chosen backend (masked and
-        unsupported calls still go to `func`); else, with an earlier override chained, `func`
-        (overrides win over preferred attention in ComfyUI, and that override still picks
-        through `with_function`); else the running module's preferred attention when set,
-        else `func`.
-        """
-        if not outermost:
-            return func
-        if self.explicit_backend != COMFYUI_FUNCTION:
-            return backend_function(self.explicit_backend, fallback=func)
-        if self.previous is None:
-            preferred = self._preferred_function()
-            if preferred is not None:
-                return preferred
-        return func
-
-    def _preferred_function(self) -> Any:
-        module = running_attention_module()
-        if module is not None:
-            return preferred_function(module)
-        # a call outside the DiT blocks (none reach the override in ComfyUI today: the token
-        # refiner runs in extra_conds): the model's preferred attention when every module agrees
-        functions = {id(getattr(m.comfy_attention, "function", None)): m.comfy_attention.function
-                     for m in _attention_modules(self.diffusion_model)}
-        if len(functions) > 1:
-            warn_once("dual_sage", "Dual-Sage: an attention call outside the DiT blocks, and the "
-                                   "model's modules prefer different attention functions; using "
-                                   "ComfyUI's default function for it")
-            return None
-        return next(iter(functions.values()), None)
-
-
-def _attention_modules(diffusion_model: Any) -> list[Any]:
-    if diffusion_model is None:
-        return []
-    return [m for m in diffusion_model.modules() if hasattr(m, "comfy_attention")]
-
-
 def _root_current_wrapper(root: torch.device):
     def wrapper(executor, *args, **kwargs):
         # nests with any other device guard (the placement's): entering the same device twice
@@ -320,26 +207,9 @@ def _root_current_wrapper(root: torch.device):
 
 
 def get_sharded_attention(model_patcher: Any) -> ShardedAttention | None:
-    """Dual-Sage's sharded attention on a patcher, wherever its override sits in the chain of
-    attention overrides (chunking's head groups, the SageAttention node may wrap it)."""
-    override, seen = protocol.override_of(model_patcher), 0
-    while override is not None and seen < 16:
-        if isinstance(override, DualSageOverride):
-            return override.sharded
-        override, seen = getattr(override, "previous", None), seen + 1
-    return None
-
-
-def _block_recorders(diffusion_model: Any) -> list[protocol.Hook]:
-    """One `RecordAttentionModule` block patch per DiT block, chaining the one there."""
-    hooks = []
-    for i, block in enumerate(getattr(diffusion_model, "blocks", None) or []):
-        attention = getattr(block, "attn", None)
-        if attention is not None:
-            hooks.append(protocol.block_patch(
-                i, lambda previous, attention=attention: RecordAttentionModule(attention,
-                                                                               previous)))
-    return hooks
+    """Dual-Sage's sharded attention on a patcher (the state it installed with), wherever its
+    override sits in the chain (chunking's head groups, the SageAttention node may wrap it)."""
+    return protocol.find(model_patcher, "dual_sage")
 
 
 def apply_dual_sage(model_patcher: Any, config: DualSageConfig) -> Any:
@@ -354,16 +224,24 @@ def apply_dual_sage(model_patcher: Any, config: DualSageConfig) -> Any:
         patched, "dual_sage",
         protocol.override(lambda prev: DualSageOverride(sharded, prev, config.backend,
                                                         diffusion_model)),
-        *_block_recorders(diffusion_model),
+        *recorder_patches(diffusion_model),
         protocol.wrapper(names.DIFFUSION_MODEL, _root_current_wrapper(sharded.plan.root)),
         protocol.callback(names.ON_CLEANUP, lambda *_: sharded.release()),
-        protocol.callback(names.ON_DETACH, lambda *_: sharded.release()))
-    to = protocol.options(patched)
-    to[names.STATUS_KEY] = {**to.get(names.STATUS_KEY, {}),
-                            "dual_sage": status_text(sharded, config, previous,
-                                                     function_names=functions_run(
-                                                         config, previous, diffusion_model))}
+        protocol.callback(names.ON_DETACH, lambda *_: sharded.release()),
+        state=sharded)
+    protocol.record_status(patched, "dual_sage", status_text(
+        sharded, config, previous, function_names=functions_run(config, previous,
+                                                                diffusion_model)))
     return patched
+
+
+def _node_backend(previous: Any) -> str | None:
+    """The backend of the H3 Sage Attention node when its override is the one Dual-Sage wraps
+    (the seam says who installed it; the node installs with its choice as state)."""
+    info = protocol.link_info(previous)
+    if info is None or info.feature != "attention" or info.state is None:
+        return None
+    return info.state.backend
 
 
 _SAGE_NODE_BACKENDS: dict[str, str] = {}  # words -> backend, for the claim of a status re-made
@@ -390,8 +268,8 @@ def functions_run(config: DualSageConfig, previous: Any, diffusion_model: Any
     as they are known when Dual-Sage is applied: None when an override installed before
     decides per call. Newest files: each module's preferred attention where one is set; 0.33.0
     has none (no ComfyAttention), so its `optimized_attention` is what runs."""
-    chosen = getattr(previous, "backend", None)
-    if isinstance(chosen, str):
+    chosen = _node_backend(previous)
+    if chosen is not None:
         return (chosen,)
     if previous is not None:
         return None
@@ -399,7 +277,7 @@ def functions_run(config: DualSageConfig, previous: Any, diffusion_model: Any
         return (config.backend,)
     names = set()
     default = default_attention(diffusion_model)
-    modules = _attention_modules(diffusion_model)
+    modules = attention_modules(diffusion_model)
     for module in modules:
         preferred = getattr(module.comfy_attention, "function", None)
         if preferred is not None:
@@ -411,8 +289,8 @@ def functions_run(config: DualSageConfig, previous: Any, diffusion_model: Any
 
 
 def _function_words(config: DualSageConfig, previous: Any) -> str:
-    chosen = getattr(previous, "backend", None)
-    if isinstance(chosen, str):
+    chosen = _node_backend(previous)
+    if chosen is not None:
         return sage_node_words(chosen)
     if config.backend != COMFYUI_FUNCTION:
         return f"backend {config.backend} (chosen here)"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,7 +51,6 @@ from .shard_plan import ShardPlan
 
 log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
-LIVE_SHARDS: weakref.WeakSet[ShardedAttention] = weakref.WeakSet()  # for guard.oom's release
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(q_BhSD, k_BhSD, v_BhSD) -> out_BhSD (a view is fine) for any head subset h."""
@@ -99,7 +97,6 @@ class ShardedAttention:
         self.routes: Counter[str] = Counter()
         self.workspace_allocations = 0
         self.last_route = "none"  # "split" / "root" / "inexact" / "fallback"
-        LIVE_SHARDS.add(self)
 
     # ------------------------------------------------------------------ public
     def __call__(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,

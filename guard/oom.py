@@ -18,14 +18,15 @@ What the pack keeps between calls, and what an out-of-memory error frees here:
   registered: they are the model's weights); the next `prepare()` builds the rings again;
 - torch's cached device blocks (ComfyUI's `soft_empty_cache`).
 The decode's helper replicas live for one decode call only (dropped when it returns or raises).
-`pack_memory()` counts all of it, process-wide, for the tests and the benchmark.
+`pack_memory()` counts all of it, process-wide, for the tests and the benchmark. The features'
+live objects come from the seam (`protocol.live`: the states they installed with), the host
+buffers from the lower layer (`common.arena`); nothing here reads a feature's module.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from ..comfy_seam import protocol
 from ..comfy_seam.h3 import sampled_patcher
 from ..comfy_seam.names import OOM_GUARD_KEY  # noqa: F401  (tests read it from here)
 from ..comfy_seam.runtime import loaded_model_management
+from ..common.arena import LIVE_BUFFERS
 
 log = logging.getLogger("h3_multigpu")
 GIB = 1 << 30
@@ -78,21 +80,17 @@ class PackMemory:
 
 
 def _shards() -> list[Any]:
-    sharded = sys.modules.get(f"{__package__.rsplit('.', 1)[0]}.dual_sage.sharded")
-    return list(getattr(sharded, "LIVE_SHARDS", ()))
+    """Dual-Sage's `ShardedAttention`s installed on a model still alive."""
+    return protocol.live("dual_sage")
 
 
 def _prefetchers() -> list[Any]:
-    apply = sys.modules.get(f"{__package__.rsplit('.', 1)[0]}.offload.apply")
-    instances = getattr(apply, "_INSTANCES", None)
-    groups = list(instances.values()) if instances is not None else []
-    return [prefetch for group in groups for prefetch in group]
+    """The prefetcher's `BlockPrefetch`es installed on a model still alive."""
+    return protocol.live("prefetch")
 
 
 def pack_memory() -> PackMemory:
-    """Count what the pack holds now (modules never imported hold nothing)."""
-    from ..common.arena import LIVE_BUFFERS
-
+    """Count what the pack holds now (features never installed hold nothing)."""
     shards = _shards()
     workspaces = sum(1 for s in shards for h in s._helpers.values() if h.workspace is not None)
     slot_bytes = staging_bytes = 0

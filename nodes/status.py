@@ -1,7 +1,8 @@
 """The status text our nodes show: what is active, on which GPU, and the predicted peak.
 
 Pure functions over the plan, the placement and the feature status lines that each
-`apply_<feature>` records in `model_options["transformer_options"]["h3_multigpu"][feature]`.
+`apply_<feature>` records through the seam (`protocol.record_status`); the lines are read only
+through the seam too (`protocol.status_lines`, live lines as they are now; `describe_line`).
 A feature that is not active is named as such with its reason, never left out: a silent no-op
 is the complaint this text exists to answer.
 """
@@ -36,11 +37,6 @@ def comfyui_support_line(node_classes, passes: Any = None) -> str:
 def feature_lines(model: Any) -> dict[str, str]:
     """{feature: status line} recorded on a patched model (empty when none)."""
     return protocol.status_lines(model)
-
-
-def record(model: Any, feature: str, line: str) -> None:
-    """Write a status line the way apply_* does (used by our own SageAttention node)."""
-    protocol.record_status(model, feature, line)
 
 
 def hooks_line(model: Any) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from twin import TwinPatcher
 
 from h3_multigpu.comfy_seam.names import GUARD_KEY
 from h3_multigpu.guard import oom
@@ -128,8 +129,8 @@ def test_oom_detection_and_the_guards_place_among_the_wrappers():
     assert oom.is_oom(RuntimeError("HIP out of memory"))
     assert not oom.is_oom(RuntimeError("shapes do not match"))
     assert issubclass(oom.PackOutOfMemoryError, torch.OutOfMemoryError)
-    patcher = types.SimpleNamespace(wrappers={"outer_sample": {"other": ["f"]}},
-                                    model_options={})
+    patcher = TwinPatcher(torch.nn.Linear(2, 2))
+    patcher.add_wrapper_with_key("outer_sample", "other", "f")
     guard_diffusion_model(guard_diffusion_model(patcher))  # twice: no second guard
     keys = list(patcher.wrappers["outer_sample"])
     assert keys == [GUARD_KEY, oom.OOM_GUARD_KEY, "other"]

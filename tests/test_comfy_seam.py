@@ -221,14 +221,16 @@ def test_remove_rebuilds_the_chains_without_the_feature(twin):
 def test_features_describe_what_they_installed_and_remove_cleanly(twin):
     from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking
     from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage
+    from h3_multigpu.guard.device import guard_diffusion_model
     from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch
 
     inputs = make_inputs(TwinConfig.tiny(), latent_t=3, latent_h=4, latent_w=6, audio_t=5,
                          seed=1)
     base = TwinPatcher(twin, load_device="cpu")
     reference = base.apply_model(*inputs)
-    patched = apply_activation_chunking(base, ChunkingConfig(ffn_chunk=13, qkv_chunk=17,
-                                                             head_group=3))
+    # composed as the nodes compose them: the device guard is the composer's
+    patched = guard_diffusion_model(apply_activation_chunking(base, ChunkingConfig(
+        ffn_chunk=13, qkv_chunk=17, head_group=3)))
     patched = apply_dual_sage(patched, DualSageConfig(helpers=("cpu",), split="5:3",
                                                       min_tokens=0))
     patched = apply_block_prefetch(patched, PrefetchConfig(resident_blocks=1, lookahead=1))

@@ -21,6 +21,7 @@ from h3_multigpu import (
     nodes,
     offload,  # noqa: F401
 )
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.nodes import comfy_placement, inputs
 from h3_multigpu.nodes.devices import (
     GiB,
@@ -37,12 +38,7 @@ from h3_multigpu.nodes.placement import (
     placement_from_plan,
     should_release_text_encoder,
 )
-from h3_multigpu.nodes.status import (
-    comfyui_support_line,
-    compose_status,
-    feature_lines,
-    record,
-)
+from h3_multigpu.nodes.status import comfyui_support_line, compose_status, feature_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = [GpuInfo(0, "NVIDIA GeForce RTX 5060 Ti", 16 * GiB),
@@ -230,7 +226,7 @@ def test_status_reports_the_plans_peaks_per_gpu():
 def test_status_lines_recorded_on_a_clone_stay_on_the_clone(tiny_twin):
     base = TwinPatcher(tiny_twin)
     clone = base.clone()
-    record(clone, "attention", "backend sdpa")
+    protocol.record_status(clone, "attention", "backend sdpa")
     assert feature_lines(clone) == {"attention": "backend sdpa"}
     assert feature_lines(base) == {}
 
