@@ -251,12 +251,15 @@ def test_an_adapter_injected_after_apply_is_found_at_run_time(fake_floors, tiny_
     monkeypatch.setattr("h3_multigpu.chunking.report._said", set())
     patched = apply_activation_chunking(TwinPatcher(model), ChunkingConfig(ffn_chunk=8))
     assert _line(patched).endswith("; exact")
+    # a clone made before the run (as ComfyUI and the next node make them) reads the live line
+    later = patched.clone()
     hooks = [attach_activation_lora(block.mlp.fc2, RANK, seed=i)
              for i, block in enumerate(model.blocks)]
     caplog.set_level(logging.WARNING, logger="h3_multigpu.chunking.report")
     patched.apply_model(*inputs)
     patched.apply_model(*inputs)
     assert _line(patched).endswith("(on-activation LoRA on fc2, rank 4)"), _line(patched)
+    assert _line(later) == _line(patched)
     said = [r for r in caplog.records if "on-activation LoRA on fc2, rank 4" in r.getMessage()]
     assert len(said) == 1
     for hook in hooks:

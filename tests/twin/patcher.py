@@ -7,8 +7,8 @@ clone do not leak back), `model_options["transformer_options"]`, `set_model_patc
 `add_object_patch` / `object_patches` (applied while the model runs, restored after),
 `add_wrapper_with_key` / `remove_wrappers_with_key` / `wrappers`, `add_callback_with_key` /
 `remove_callbacks_with_key` / `callbacks` (recorded; the twin has no load lifecycle that would
-call them), `set_attachments` / `remove_attachments`, `get_model_object`, `load_device` /
-`offload_device`, and `set_model_optimized_attention`-style override install.
+call them), `get_model_object`, `load_device` / `offload_device`, and
+`set_model_optimized_attention`-style override install.
 On real ComfyUI the same `apply_*` functions receive a real ModelPatcher instead.
 """
 
@@ -89,12 +89,6 @@ class TwinPatcher:
 
     def remove_callbacks_with_key(self, call_type: str, key: str) -> None:
         self.callbacks.get(call_type, {}).pop(key, None)
-
-    def set_attachments(self, key: str, attachment: Any) -> None:
-        self.attachments[key] = attachment
-
-    def remove_attachments(self, key: str) -> None:
-        self.attachments.pop(key, None)
 
     def set_model_optimized_attention(self, fn: Callable) -> None:
         self.model_options["transformer_options"]["optimized_attention_override"] = fn
