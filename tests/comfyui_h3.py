@@ -586,6 +586,24 @@ class AttentionCounter:
         return counted
 
 
+def negated_basic_attention():
+    """A startup flag's kernel whose output surely differs from the CPU default: ComfyUI's
+    basic attention with its result negated, wrapped as ComfyUI wraps its kernels.
+
+    Basic attention alone can equal the default bit for bit at the tests' sizes on some CPUs
+    (sub-quadratic and SDPA then round the same), so a test could not tell which kernel ran.
+    Negation flips signs only: a head share of it is exactly the same share of the whole, so
+    a sharded run still equals the kernel unpatched, and any call of another kernel shows."""
+    comfy = import_comfyui()
+    attention = comfy.ldm.modules.attention
+    basic = getattr(attention.attention_basic, "__wrapped__", attention.attention_basic)
+
+    def negated_basic(*args, **kwargs):
+        return -basic(*args, **kwargs)
+
+    return attention.wrap_attn(negated_basic)
+
+
 def preferred_attention_missing(patcher) -> str | None:
     """Why this ComfyUI's H3 has no per-module preferred attention, or None when it has one.
 

@@ -140,14 +140,17 @@ def test_two_three_and_four_devices_equal_unpatched(monkeypatch, devices, split,
 
 def test_the_startup_flags_kernel_is_sharded():
     """Every release (0.33.0: always): the kernel ComfyUI's flags made `optimized_attention`
-    (basic attention here), run per head share, equal to that kernel unpatched."""
-    comfy = import_comfyui_or_skip()
+    (negated basic attention here, whose output differs from the CPU default on any CPU), run
+    per head share, equal to that kernel unpatched."""
+    from comfyui_h3 import negated_basic_attention
+
+    import_comfyui_or_skip()
     config = CONFIGS[0]
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config)
-    basic = comfy.ldm.modules.attention.attention_basic
+    flagged = negated_basic_attention()
     default = run_like_sampler(patcher, inputs)
-    with AttentionCounter(kernel=basic) as calls:
+    with AttentionCounter(kernel=flagged) as calls:
         base = run_like_sampler(patcher, inputs)
         unpatched = calls.default
         out = run_like_sampler(_sequence(patcher), inputs)
