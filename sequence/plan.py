@@ -105,6 +105,38 @@ NEEDED = (names.BLOCK_ROPE,)  # a block call without these is not the one the pl
 NOT_SPLIT = (names.BLOCK_ATTENTION,)  # a block call carrying these runs whole
 
 
+def root_share(spec: Any, value: Any, start: int, stop: int) -> Any:
+    """The root's share of one argument: views of the model's tensors."""
+    if isinstance(spec, RowSplit):
+        return spec.rows(value, start, stop)
+    if isinstance(spec, RowTable):
+        return spec.rows(value, start, stop)
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
+
+
+def helper_share(spec: Any, value: Any, start: int, stop: int, device: torch.device
+                  ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A helper's share of one argument, as buffers on its device, and the (destination,
+    contiguous source) copies that fill them."""
+    if isinstance(spec, RowSplit):
+        buf = torch.empty(spec.shape(value, stop - start), dtype=value.dtype, device=device)
+        return buf, [(buf, spec.rows(value, start, stop).contiguous())]
+    if isinstance(spec, RowTable):
+        table, copies = [], []
+        for s0, s1, row in spec.rows(value, start, stop):
+            if isinstance(row, torch.Tensor):
+                row_k = torch.empty(row.shape, dtype=row.dtype, device=device)
+                copies.append((row_k, row.contiguous()))
+                row = row_k
+            table.append((s0, s1, row))
+        return table, copies
+    if isinstance(value, torch.Tensor):
+        src = value.contiguous()
+        buf = torch.empty_like(src, device=device)
+        return buf, [(buf, src)]
+    return value, []
+
+
 def splittable(args: dict) -> bool:
     """The block call the plan splits: the block's own attention, RoPE present."""
     return all(args.get(key) is None for key in NOT_SPLIT) and \

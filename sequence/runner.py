@@ -50,7 +50,17 @@ from ..comfy_seam.names import OVERRIDE_KEY
 from ..exchange.links import Link, keep_until_used
 from ..exchange.streams import current_stream, record, wait
 from ..exchange.transport import TransportMode
-from .plan import GATHER_PLAN, INPUTS, OUTPUT, RESIDUAL, SPLIT_PLAN, RowSplit, RowTable, Segments
+from .plan import (
+    GATHER_PLAN,
+    INPUTS,
+    OUTPUT,
+    RESIDUAL,
+    SPLIT_PLAN,
+    RowSplit,
+    Segments,
+    helper_share,
+    root_share,
+)
 from .split import SequenceSplit
 from .threads import DEFAULT_TIMEOUT_S, Exchange, ShareWorker, run_shares
 
@@ -151,7 +161,7 @@ class SequenceRunner:
         rows = self.split.rows_for(h_SC.shape[_RESIDUAL_SPEC.dim])
         root = self.devices[0]
         a0, b0 = rows[0]
-        root_inputs = {key: _root_share(SPLIT_PLAN[key], args[key], a0, b0) for key in INPUTS}
+        root_inputs = {key: root_share(SPLIT_PLAN[key], args[key], a0, b0) for key in INPUTS}
         shares = [DeviceRows(root, a0, b0, _RESIDUAL_SPEC.rows(h_SC, a0, b0), root_inputs)]
         # (device index, destination, source): every source is made contiguous BEFORE the
         # event below, so no copy kernel queued after it can still be writing what a link reads
@@ -163,7 +173,7 @@ class SequenceRunner:
             with device_current(device):
                 values = {}
                 for key, spec in SPLIT_PLAN.items():
-                    values[key], copies = _helper_share(spec, args[key], a, b, device)
+                    values[key], copies = helper_share(spec, args[key], a, b, device)
                     sends += [(k, dst, src) for dst, src in copies]
                 # the buffers above were allocated on k's compute stream: a link writes them
                 # only after what that stream queued before (their memory's last owner) is done
@@ -253,38 +263,6 @@ _RESIDUAL_SPEC = SPLIT_PLAN[RESIDUAL]
 assert isinstance(_RESIDUAL_SPEC, RowSplit)
 # the output is gathered where the residual came from: the model loop hands it on
 _GATHER = RowSplit(GATHER_PLAN[OUTPUT].dim, _RESIDUAL_SPEC.expected_dims)
-
-
-def _root_share(spec: Any, value: Any, start: int, stop: int) -> Any:
-    """The root's share of one argument: views of the model's tensors."""
-    if isinstance(spec, RowSplit):
-        return spec.rows(value, start, stop)
-    if isinstance(spec, RowTable):
-        return spec.rows(value, start, stop)
-    return value.contiguous() if isinstance(value, torch.Tensor) else value
-
-
-def _helper_share(spec: Any, value: Any, start: int, stop: int, device: torch.device
-                  ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A helper's share of one argument, as buffers on its device, and the (destination,
-    contiguous source) copies that fill them."""
-    if isinstance(spec, RowSplit):
-        buf = torch.empty(spec.shape(value, stop - start), dtype=value.dtype, device=device)
-        return buf, [(buf, spec.rows(value, start, stop).contiguous())]
-    if isinstance(spec, RowTable):
-        table, copies = [], []
-        for s0, s1, row in spec.rows(value, start, stop):
-            if isinstance(row, torch.Tensor):
-                row_k = torch.empty(row.shape, dtype=row.dtype, device=device)
-                copies.append((row_k, row.contiguous()))
-                row = row_k
-            table.append((s0, s1, row))
-        return table, copies
-    if isinstance(value, torch.Tensor):
-        src = value.contiguous()
-        buf = torch.empty_like(src, device=device)
-        return buf, [(buf, src)]
-    return value, []
 
 
 def _job(call: BlockCall, share: DeviceRows, options: dict,
