@@ -194,6 +194,18 @@ INTERNALS: tuple[Internal, ...] = (
     # feature-detects them (runtime.nodes_multigpu() is None there)
     _i("comfy_extras.nodes_multigpu", "source", "class ", "nodes.comfy_placement",
        RELEASE_033),
+    # ---- the H3 block-replace arguments (the sequence split plan)
+    *(_i(H3, "source", f'"{key}": {value}', "sequence.plan (the block-replace arguments)")
+      for key, value in ((names.BLOCK_IMG, "h"), (names.BLOCK_T_EMB, "t_emb"),
+                         (names.BLOCK_SEGMENTS, "mod_segments"), (names.BLOCK_ROPE, "rope_freqs"),
+                         (names.TRANSFORMER_OPTIONS, "transformer_options"))),
+    _i(H3, "source", f'{{"{names.ORIGINAL_BLOCK}": block_wrap}})["{names.BLOCK_IMG}"]',
+       "sequence.plan (the output gathered; the original block in extra)"),
+    *(_i(f"{H3}:DiTBlock.forward", "param", (index, name),
+         "sequence.plan.BLOCK_ARGS (a helper calls upstream's block positionally)")
+      for index, name in ((1, "x"), (2, "t_emb"), (3, "mod_segments"), (4, "rope_freqs"))),
+    _i(H3, "source", f'args.get("{names.BLOCK_ATTENTION}")',
+       "sequence.plan.NOT_SPLIT (a block handed its own attention is not split)", NEWEST),
 )
 
 

@@ -42,12 +42,12 @@ from ..comfy_seam.h3 import default_attention as seam_default_attention
 from ..comfy_seam.h3 import preferred_function
 from ..common import geometry
 from ..common.devices import parse_devices, validate_devices
+from ..common.exactness import ExactRange, claim, function_name
 from ..exchange.mode import heads_allowed
 from ..exchange.transport import TransportMode, resolve
 from ..kernels import backend_names, backend_refusal
 from ..kernels.comfy_calling import backend_function
 from . import sizing
-from .exactness import ExactRange, claim, function_name
 from .shard_plan import ShardPlan, parse_split
 from .sharded import Attend, ShardedAttention, warn_once
 

@@ -44,11 +44,11 @@ from ..comfy_seam.memory import (
     is_dynamic,
     pin_budget_bytes,
 )
+from ..common.block_weights import leaves_of, module_bytes
 from ..common.engine import root_device
 from ..guard.interrupt import check_interrupt
 from . import policy, sizing
 from .streamer import BlockStreamer, Source
-from .weights import leaves_of, module_bytes
 
 log = logging.getLogger(__name__)
 

@@ -49,9 +49,9 @@ def same(a, b) -> bool:
 def with_pack(patcher, *, chunking: bool = False):
     """Dual-Sage over two CPU helpers through the host relay, then every block streamed with a
     pinned budget of one block (the rest through the staging ring), as the nodes apply them."""
+    from h3_multigpu.common.block_weights import module_bytes
     from h3_multigpu.dual_sage import DualSageConfig
     from h3_multigpu.offload import PrefetchConfig
-    from h3_multigpu.offload.weights import module_bytes
 
     block = module_bytes(patcher.model.diffusion_model.blocks[0])
     model = apply_feature(patcher, "dual_sage", DualSageConfig(

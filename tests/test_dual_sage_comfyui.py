@@ -4,7 +4,7 @@
 
 CPU: helper "devices" are the CPU (streams are no-ops), ComfyUI's default attention is its
 sub-quadratic kernel, two threads (where a head subset needs 2 heads to keep the whole call's
-bits: `dual_sage/exactness.py`). Models: fp32 and INT8 ConvRot (the official DiT format, bf16
+bits: `common/exactness.py`). Models: fp32 and INT8 ConvRot (the official DiT format, bf16
 config) tiny checkpoints loaded by ComfyUI's loader. `multi_gpu`: root cuda:1, helper cuda:0,
 bf16, 56 heads of 128, ComfyUI's SDPA with its backend priority. Every case compares with
 ComfyUI's own unpatched output and counts that the feature ran (split calls, the functions

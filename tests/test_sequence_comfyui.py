@@ -36,7 +36,7 @@ from h3_multigpu.sequence import (
     apply_sequence_parallel,
     get_sequence_parallel,
 )
-from h3_multigpu.sequence.apply import COMFY_CLONES
+from h3_multigpu.sequence.status import COMFY_CLONES
 
 INTERRUPTED = "InterruptProcessingException"
 
