@@ -429,3 +429,70 @@ def test_features_describe_what_they_installed_and_remove_cleanly(twin):
     assert protocol.override_of(bare) is None and not protocol.block_patches(bare)
     assert not bare.object_patches
     assert [e.feature for e in protocol.installed(bare)] == ["guard", "oom"]
+
+
+# ---------------------------------------------------------------------- the seam's functions
+def test_root_device_is_the_load_device_and_a_bare_cuda_the_current_one(monkeypatch):
+    from types import SimpleNamespace
+
+    from h3_multigpu.comfy_seam.devices import root_device
+
+    assert root_device(SimpleNamespace(load_device="cpu")) == torch.device("cpu")
+    assert root_device(SimpleNamespace(load_device=torch.device("cuda", 1))) == \
+        torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert root_device(SimpleNamespace(load_device="cuda")) == torch.device("cuda", 3)
+
+
+def test_one_model_management_accessor_never_imports_comfyui_unless_asked(monkeypatch):
+    import sys
+    import types
+
+    from h3_multigpu.comfy_seam import interrupts, runtime
+
+    monkeypatch.delitem(sys.modules, "comfy.model_management", raising=False)
+    assert runtime.model_management() is None and "comfy.model_management" not in sys.modules
+    assert not interrupts.processing_interrupted()
+    interrupts.raise_if_interrupted()  # nothing to raise outside ComfyUI
+    mm = types.ModuleType("comfy.model_management")
+    mm.processing_interrupted = lambda: True
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    assert runtime.model_management() is mm and runtime.model_management(importing=True) is mm
+    assert interrupts.processing_interrupted()
+
+
+def test_the_clone_path_names_what_is_missing_and_falls_back_in_the_seam():
+    from types import SimpleNamespace
+
+    from h3_multigpu.comfy_seam import clones
+    from h3_multigpu.decode.replica import CloneMissing, comfy_clone
+
+    class Patcher(SimpleNamespace):
+        def clone(self):
+            return Patcher(**vars(self))
+
+    class Clonable(Patcher):
+        def deepclone_multigpu(self, new_load_device=None):
+            if self.cached_patcher_init is None:
+                raise RuntimeError("Cannot create multigpu deepclone")
+            registered = []
+            return Patcher(load_device=new_load_device, registered=registered,
+                           register_load_device=registered.append)
+
+    gpu1 = torch.device("cuda", 1)
+    bare, no_factory = Patcher(load_device="cpu"), Clonable(load_device="cpu",
+                                                             cached_patcher_init=None)
+    assert clones.clone_gap(bare) == clones.NO_CLONES
+    assert clones.clone_gap(no_factory) == clones.NO_FACTORY
+    with pytest.raises(CloneMissing, match="no ModelPatcher.deepclone_multigpu"):
+        comfy_clone(bare, gpu1)
+    with pytest.raises(CloneMissing, match="registered no reload factory"):
+        comfy_clone(no_factory, gpu1)
+    made = comfy_clone(Clonable(load_device="cpu", cached_patcher_init=(print, ())), gpu1)
+    assert made.load_device == gpu1 and made.registered == [gpu1]  # DynamicVRAM's pins
+    placed, how = clones.retarget(no_factory, gpu1)
+    assert placed.load_device == gpu1 and no_factory.load_device == "cpu"
+    assert how == "load_device set on a clone (deepclone_multigpu refused (Cannot create " \
+                  "multigpu deepclone))"
+    assert clones.retarget(bare, gpu1)[1] == ("load_device set on a clone (this ComfyUI has no "
+                                              "deepclone_multigpu)")
