@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..comfy_seam.interrupts import raise_if_interrupted as check_interrupt
 from ..comfy_seam.memory import (
     comfy_pin_budget,
     dynamic_vram_line,
@@ -46,7 +47,6 @@ from ..comfy_seam.memory import (
 )
 from ..common.block_weights import leaves_of, module_bytes
 from ..common.engine import root_device
-from ..guard.interrupt import check_interrupt
 from . import policy, sizing
 from .streamer import BlockStreamer, Source
 
