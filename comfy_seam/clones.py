@@ -50,13 +50,8 @@ from typing import Any
 
 import torch
 
-from . import h3, interrupts, runtime
+from . import runtime
 from .names import CLONES_KEY, MULTIGPU_CLONES, REBIND
-
-# the sequence mode's old names (sequence/threads.py, sequence/apply.py call them here)
-processing_interrupted = interrupts.processing_interrupted
-raise_if_interrupted = interrupts.raise_if_interrupted
-in_training = h3.in_training
 
 NO_CLONES = "no deepclone_multigpu"  # clone_gap: this ComfyUI makes no multi-GPU clones
 NO_FACTORY = "no cached_patcher_init"  # clone_gap: this model's loader left no reload factory

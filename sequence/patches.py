@@ -49,7 +49,8 @@ from ..chunking.formats import (
 )
 from ..comfy_seam import clones as comfy_clones
 from ..comfy_seam import names, protocol
-from ..comfy_seam.h3 import forward_options, weight_format
+from ..comfy_seam.devices import root_device
+from ..comfy_seam.h3 import forward_options, in_training, weight_format
 from ..comfy_seam.memory import is_dynamic
 from ..common import exact_rows
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
@@ -252,7 +253,7 @@ class SequenceParallel(HelperLifecycle):
             if forward.mode is None:
                 self.choose_for(forward, h.shape[0], h.dtype)
             if forward.mode is not ParallelMode.SEQUENCE or not plan.splittable(args) or \
-                    comfy_clones.in_training(self.blocks[index]):
+                    in_training(self.blocks[index]):
                 self._gather_into(forward)
                 return _call(previous, args, extra)
 
@@ -360,13 +361,6 @@ def _call(previous: Callable | None, args: dict, extra: dict) -> dict:
     return extra[names.ORIGINAL_BLOCK](args)
 
 
-def _root_device(model_patcher: Any) -> torch.device:
-    root = torch.device(model_patcher.load_device)
-    if root.type == "cuda" and root.index is None:
-        root = torch.device("cuda", torch.cuda.current_device())
-    return root
-
-
 def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -380,7 +374,7 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
     if not blocks:
         raise ValueError(f"{type(diffusion_model).__name__} has no DiT blocks; sequence parallel "
                          "needs a MiniMax H3 model")
-    root = _root_device(model_patcher)
+    root = root_device(model_patcher)
     devices = policy.resolve_devices(root, config.helpers, _visible_gpus())
     # under DynamicVRAM the mode runs on ComfyUI-managed helper clones only (each its own VBARs,
     # LoRA at op time): the pack's own binding would copy each module's unpatched host weight
