@@ -21,8 +21,10 @@ from .errors import (
     WorkflowError,
 )
 from .http import ComfyClient
+from .outputs import output_files
 from .params import DEFAULT_TARGETS, Target, apply_params
-from .run import output_files, prepare, submit
+from .prepare import prepare
+from .run import submit
 from .workflow import is_api_format, is_ui_format, load_workflow, ui_to_api
 
 __all__ = [

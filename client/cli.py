@@ -1,5 +1,9 @@
 """`h3-multigpu submit`: the command-line face of `submit()`.
 
+Its parser and its run; the root `cli.py` owns the command line (`h3-multigpu`, `python -m
+h3_multigpu`) and calls `add_submit_parser` and `run_submit`. The client sits below it, so it
+has no entry of its own that would import the root back.
+
 Exit codes: 0 done; 1 the run failed on the server, or an output could not be downloaded or
 saved; 2 the workflow or a flag is wrong, the server's validation refused the prompt, or
 websocket-client is not installed (only --check runs without it); 3 the server cannot be
@@ -220,15 +224,3 @@ def _fail(args: argparse.Namespace, kind: str, message: str, error: str | None =
         print(json.dumps(event), flush=True)
     else:
         print(f"h3-multigpu submit: {message}", file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry for tests and `python -m h3_multigpu.client.cli` (same as the main
-    command line's `submit`)."""
-    from ..cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,8 +19,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..common.checks import check_seconds, check_two_pass
 from ..common.geometry import validate_canvas, validate_frames
-from ..nodes import inputs as node_inputs
 from . import editor
 from . import server_rules as rules
 from .errors import Problem, WorkflowError, shown
@@ -220,7 +220,7 @@ def _literal_int(value: Any) -> int | None:
 
 def _check_geometry(where: str, inputs: dict) -> list[Problem]:
     """H3's canvas and frame grid, and the pack's own checks of what its nodes validate
-    themselves (nodes/inputs.py, the functions their validate_inputs run): both passes'
+    themselves (common/checks.py, the functions their validate_inputs run): both passes'
     canvases and the seconds. Linked inputs are checked by the node when it runs."""
     problems = []
     width, height = _literal_int(inputs.get("width")), _literal_int(inputs.get("height"))
@@ -239,12 +239,12 @@ def _check_geometry(where: str, inputs: dict) -> list[Problem]:
     sizes = [_literal_int(inputs.get(f"{p}_{side}")) for p in ("pass1", "pass2")
              for side in ("width", "height")]
     if None not in sizes:
-        message = node_inputs.check_two_pass(*sizes)
+        message = check_two_pass(*sizes)
         if message:
             problems.append(Problem(where, message))
     seconds = inputs.get("seconds")
     if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-        message = node_inputs.check_seconds(seconds)
+        message = check_seconds(seconds)
         if message:
             problems.append(Problem(where, f"input 'seconds': {message}"))
     return problems

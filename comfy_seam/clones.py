@@ -1,4 +1,6 @@
-"""The sequence mode's helper clones: every ComfyUI internal they use, in the seam.
+"""ComfyUI's multi-GPU clones: the pack's one clone path (`make_clone`, `retarget`), serving the
+sequence mode's helpers, the split decode's helpers and the placement node, and every ComfyUI
+internal the sequence mode's helper clones use.
 
 Checked on ComfyUI 0.33.0 and the newest-files bed (each listed in `internals.INTERNALS`, which
 a `comfyui` test resolves on each release); each use is feature-detected and degrades as stated:
@@ -7,11 +9,11 @@ a `comfyui` test resolves on each release); each use is feature-detected and deg
   from the loader's `cached_patcher_init` factory, as ComfyUI's MultiGPU CFG Split builds its
   per-GPU clones (comfy/multigpu.py `create_multigpu_deepclones`). Missing, or the model's
   loader has no factory (`cached_patcher_init is None`): `clone_refusal` says so and the mode
-  binds the helper weights itself (`weights.py`).
-- `ModelPatcher.register_load_device(device)` (ModelPatcherDynamic, DynamicVRAM's per-device
-  pin bookkeeping; comfy_extras/nodes_multigpu.py calls it after retargeting): called when
-  present, as `deepclone_multigpu` itself does (neither bed's ModelPatcher has it, so it is not
-  in `internals.INTERNALS`).
+  binds the helper weights itself (`weights.py`), the decode says so in its own words, and the
+  placement node falls back to a clone whose `load_device` is the target (`retarget`).
+- `ModelPatcherDynamic.register_load_device(device)` (DynamicVRAM's per-device pin
+  bookkeeping; comfy_extras/nodes_multigpu.py calls it after retargeting): called when present,
+  as `deepclone_multigpu` itself does (the plain ModelPatcher has none).
 - `ModelPatcher.clone(model_override=other.get_clone_model_override())`: what
   `match_multigpu_clones` does before every sampling run, so a helper clone carries the root
   patcher's weight patches (LoRA), injections (on-activation LoRA) and hook patches while
@@ -33,11 +35,8 @@ a `comfyui` test resolves on each release); each use is feature-detected and deg
   frees a helper clone's device copy after sampling (`keep_weights` off), keeping every other
   model (`unload_model_and_clones` would also unload the root: the clones share its
   `clone_base_uuid`).
-- `comfy.model_management.processing_interrupted()` / `throw_exception_if_processing_interrupted()`
-  (raises `InterruptProcessingException`, a BaseException): the shares' rendezvous honours
-  ComfyUI's interrupt.
-- `comfy.model_management.in_training` and the block module's `AttentionTensorContainer`
-  (`in_training`, `container`).
+- ComfyUI's interrupt (`interrupts`): the shares' rendezvous honours it; the block module's
+  `AttentionTensorContainer` (`container`), `model_management.in_training` (`h3.in_training`).
 - `transformer_options["optimized_attention_override"]` (comfy/ldm/modules/attention.py
   `wrap_attn`): called as `override(func, q, k, v, heads, **kwargs)` with the tensors taken out
   of their containers unless the override has `container_function`.
@@ -51,49 +50,71 @@ from typing import Any
 
 import torch
 
+from . import runtime
 from .names import CLONES_KEY, MULTIGPU_CLONES, REBIND
 
-
-def _model_management() -> Any:
-    try:
-        import comfy.model_management as mm
-    except ImportError:
-        return None
-    return mm
+NO_CLONES = "no deepclone_multigpu"  # clone_gap: this ComfyUI makes no multi-GPU clones
+NO_FACTORY = "no cached_patcher_init"  # clone_gap: this model's loader left no reload factory
 
 
-def processing_interrupted() -> bool:
-    mm = _model_management()
-    check = getattr(mm, "processing_interrupted", None)
-    return bool(check()) if check is not None else False
-
-
-def raise_if_interrupted() -> None:
-    """ComfyUI's own check: clears the flag and raises InterruptProcessingException."""
-    mm = _model_management()
-    throw = getattr(mm, "throw_exception_if_processing_interrupted", None)
-    if throw is not None and mm.processing_interrupted():
-        throw()
+def clone_gap(patcher: Any) -> str | None:
+    """What ComfyUI lacks to make a multi-GPU clone of this patcher: `NO_CLONES`, `NO_FACTORY`,
+    or None (it can; core may still refuse, `make_clone` raises its RuntimeError then)."""
+    if not callable(getattr(patcher, "deepclone_multigpu", None)):
+        return NO_CLONES
+    if getattr(patcher, "cached_patcher_init", None) is None:
+        return NO_FACTORY
+    return None
 
 
 def clone_refusal(patcher: Any) -> str | None:
     """Why ComfyUI cannot make a helper clone of this patcher (None: it can)."""
-    if not callable(getattr(patcher, "deepclone_multigpu", None)):
+    gap = clone_gap(patcher)
+    if gap == NO_CLONES:
         return "this ComfyUI has no multi-GPU clones (ModelPatcher.deepclone_multigpu)"
-    if getattr(patcher, "cached_patcher_init", None) is None:
+    if gap == NO_FACTORY:
         return ("this model's loader registers no reload factory (cached_patcher_init); load it "
                 "with a core loader (UNETLoader, CheckpointLoaderSimple)")
     return None
 
 
 def make_clone(patcher: Any, device: torch.device) -> Any:
-    """A ComfyUI-managed copy of the model for `device`, from the loader's factory."""
+    """A ComfyUI-managed copy of the model for `device`, from the loader's factory: the one
+    multi-GPU clone of the pack (the sequence mode's helpers, the split decode's helpers, the
+    placement node). Raises core's RuntimeError when the loader left no factory, and an
+    AttributeError on a ComfyUI without multi-GPU clones (`clone_gap` says which first)."""
     clone = patcher.deepclone_multigpu(new_load_device=device)
-    register = getattr(clone, "register_load_device", None)
-    if register is not None:
-        register(clone.load_device)
-    clone.remove_additional_models(CLONES_KEY)
+    _register_load_device(clone, clone.load_device)
+    # a clone of a root in the sequence mode would carry the root's helpers as its own
+    remove = getattr(clone, "remove_additional_models", None)
+    if remove is not None:
+        remove(CLONES_KEY)
     return clone
+
+
+def _register_load_device(patcher: Any, device: Any) -> None:
+    """`ModelPatcherDynamic.register_load_device` (0.33.0, newest): DynamicVRAM keeps its pins
+    per device and fails in `partially_unload_ram` for a device it never registered. Idempotent
+    (core's deepclone_multigpu calls it too); plain patchers have none."""
+    register = getattr(patcher, "register_load_device", None)
+    if register is not None:
+        register(device)
+
+
+def retarget(patcher: Any, target: torch.device) -> tuple[Any, str]:
+    """A patcher whose load device is `target` and how it was made: ComfyUI's multi-GPU clone
+    (`make_clone`) where it can make one, else a clone whose `load_device` is the target
+    (registered with DynamicVRAM), the reason said. The input patcher is left untouched."""
+    reason = "this ComfyUI has no deepclone_multigpu"
+    if clone_gap(patcher) != NO_CLONES:
+        try:
+            return make_clone(patcher, target), "deepclone_multigpu"
+        except RuntimeError as exc:  # loaders without a reload factory cannot deepclone
+            reason = f"deepclone_multigpu refused ({exc})"
+    clone = patcher.clone()
+    clone.load_device = target
+    _register_load_device(clone, target)
+    return clone, f"load_device set on a clone ({reason})"
 
 
 def match_clone(root: Any, base: Any) -> tuple[Any, list[str]]:
@@ -199,7 +220,7 @@ def cleanup(clone: Any) -> None:
 def unload(clone: Any) -> None:
     """ComfyUI unloads this clone's model from its device (weights unpatched), and nothing else
     (`free_memory` on that device, every other loaded model kept)."""
-    mm = _model_management()
+    mm = runtime.model_management()
     loaded = getattr(mm, "current_loaded_models", None)
     free_memory = getattr(mm, "free_memory", None)
     if loaded is None or free_memory is None:
@@ -213,8 +234,7 @@ def ask_to_free(device: torch.device, nbytes: int) -> None:
     """Let ComfyUI unload what it keeps on a helper `device` (the text encoder) to make room:
     `model_management.free_memory(bytes, device)`. Advisory: a failure is ignored (the caller
     checks the free memory itself)."""
-    mm = _model_management()
-    free_memory = getattr(mm, "free_memory", None)
+    free_memory = getattr(runtime.model_management(), "free_memory", None)
     if free_memory is not None:
         with contextlib.suppress(Exception):
             free_memory(nbytes, device)
@@ -231,14 +251,3 @@ def container(block: torch.nn.Module) -> Any:
 
     cls = getattr(sys.modules[type(block).__module__], "AttentionTensorContainer", None)
     return (lambda t: t) if cls is None else cls
-
-
-def in_training(block: torch.nn.Module) -> bool:
-    """ComfyUI's `model_management.in_training` (upstream's block then keeps autograd-friendly
-    out-of-place ops): the split runs inference only."""
-    import sys
-
-    module = sys.modules[type(block).__module__]
-    comfy = getattr(module, "comfy", None)
-    mm = getattr(comfy, "model_management", None) if comfy is not None else None
-    return bool(getattr(mm, "in_training", False))

@@ -8,6 +8,7 @@ unchanged on both.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from types import ModuleType
 from typing import Any
@@ -27,11 +28,12 @@ def is_comfyui(block: Any) -> bool:
 
 
 def in_training(block: Any) -> bool:
-    """ComfyUI internal: `comfy.model_management.in_training` (H3's Attention takes the
-    out-of-place RoPE and `linear_input_act` the unfused path while it is set)."""
-    if not is_comfyui(block):
-        return False
-    return bool(getattr(module_of(block).comfy.model_management, "in_training", False))
+    """ComfyUI internal: `comfy.model_management.in_training`, as the block's own module sees it
+    (the H3 module does `import comfy.model_management`; the twin's has no `comfy`: False).
+    While it is set H3's Attention takes the out-of-place RoPE and `linear_input_act` the
+    unfused path; the sequence split runs inference only."""
+    comfy = getattr(module_of(block), "comfy", None)
+    return bool(getattr(getattr(comfy, "model_management", None), "in_training", False))
 
 
 def fused_int8_fc2(block: Any) -> bool:
@@ -146,3 +148,34 @@ def sampled_patcher(executor: Any) -> Any:
     """The ModelPatcher an OUTER_SAMPLE wrapper samples with, or None. ComfyUI internal:
     `WrapperExecutor.class_obj` is the CFGGuider, whose `model_patcher` is the model."""
     return getattr(getattr(executor, "class_obj", None), "model_patcher", None)
+
+
+def quant_algos() -> dict | None:
+    """The running ComfyUI's quantization formats (`comfy.quant_ops.QUANT_ALGOS`, 0.33.0 and
+    the newest files: name -> {"storage_t": torch dtype, ...}), or None without them."""
+    from . import runtime
+
+    return getattr(runtime.quant_ops(), "QUANT_ALGOS", None)
+
+
+def h3_model_class() -> type | None:
+    """`comfy.model_base.MiniMaxH3` (0.33.0 and the newest files), or None on a ComfyUI without
+    H3 or outside ComfyUI (the twin in tests)."""
+    from . import runtime
+
+    return getattr(runtime.model_base(), "MiniMaxH3", None)
+
+
+def tensor_bytes(tensor: Any) -> int:
+    """Bytes a tensor really holds. A comfy-kitchen `QuantizedTensor` (ComfyUI's INT8 ConvRot
+    weights, `ops.mixed_precision_ops`) reports its logical dtype, so `numel * element_size`
+    counts an int8 weight at its bf16/fp16 size; its storage is `_qdata` plus the tensors of its
+    layout `_params` (the scales). Read on comfy-kitchen 0.2.31 (the 0.33.0 bed) and 0.2.40."""
+    import torch
+
+    qdata = getattr(tensor, "_qdata", None)
+    params = getattr(tensor, "_params", None)
+    if isinstance(qdata, torch.Tensor) and dataclasses.is_dataclass(params):
+        extra = (getattr(params, f.name) for f in dataclasses.fields(params))
+        return qdata.nbytes + sum(t.nbytes for t in extra if isinstance(t, torch.Tensor))
+    return tensor.numel() * tensor.element_size()

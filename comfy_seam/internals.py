@@ -16,7 +16,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from . import names, vae
+from . import core_nodes, files, interrupts, names, vae
 
 BOTH = ("0.33.0", "newest")
 NEWEST = ("newest",)
@@ -72,7 +72,7 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.patcher_extension", "source", f'transformer_options.get("{names.WRAPPERS}"',
        "protocol.forward_wrappers (a forward's copy of the wrappers)"),
     _i("comfy.model_patcher", "source", "cached_patcher_init", "nodes.model_check.model_file"),
-    _i("comfy.model_patcher:CoreModelPatcher", used_by="nodes.v3_upscale"),
+    _i("comfy.model_patcher:CoreModelPatcher", used_by="models.patcher_class (nodes.v3_upscale)"),
     _i("comfy.model_patcher:LowVramPatch", used_by="tests (lowvram LoRA)"),
     # ---- keys in model_options / transformer_options
     _i("comfy.ldm.modules.attention", "source", f'"{names.OVERRIDE_KEY}"',
@@ -113,13 +113,13 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.ldm.modules.attention:ComfyAttention", used_by="h3.preferred_function",
        releases=NEWEST),
     _i("comfy.ops:linear_input_act", used_by="h3.fused_int8_fc2"),
-    _i(f"{MM}:in_training", used_by="h3.in_training"),
+    _i(f"{MM}:in_training", used_by="h3.in_training (chunking, sequence)"),
     _i(f"{MM}:cast_to", used_by="sequence (H3Ops.norm_weight)"),
     # ---- weights and adapters
     _i("comfy.quant_ops:QuantizedTensor", used_by="h3.weight_format"),
     _i("comfy_kitchen.tensor.base", "source", "_layout_cls",
        "h3.weight_format (comfy-kitchen's QuantizedTensor, which comfy.quant_ops exports)"),
-    _i("comfy.quant_ops:QUANT_ALGOS", used_by="nodes.model_check"),
+    _i("comfy.quant_ops:QUANT_ALGOS", used_by="h3.quant_algos (nodes.model_check)"),
     _i("comfy.weight_adapter.bypass:BypassForwardHook", used_by="h3.activation_adapter_ranks"),
     _i("comfy.weight_adapter.bypass", "source", "self.original_forward",
        "h3.activation_adapter_ranks"),
@@ -133,31 +133,52 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.float:stochastic_rounding", used_by="loader.stochastic_round"),
     # ---- memory, devices, progress
     _i(f"{MM}:get_free_memory", used_by="memory.free_vram_bytes"),
-    _i(f"{MM}:get_torch_device", used_by="nodes.v3_upscale, memory.comfy_runs_on_cpu"),
+    _i(f"{MM}:get_torch_device", used_by="models.torch_device, memory.comfy_runs_on_cpu"),
+    _i(f"{MM}:should_use_fp16", used_by="models.should_use_fp16 (nodes.v3_upscale)"),
+    _i(f"{MM}:unet_offload_device", used_by="models.offload_device (nodes.v3_upscale)"),
     _i(f"{MM}:EXTRA_RESERVED_VRAM", used_by="memory.vram_budget"),
-    _i("nodes:NODE_CLASS_MAPPINGS", used_by="runtime.comfy_nodes"),
-    _i(f"{MM}:get_all_torch_devices", used_by="nodes.devices"),
-    _i(f"{MM}:get_total_memory", used_by="nodes.comfy_placement"),
-    _i(f"{MM}:free_memory", used_by="decode.core, nodes.comfy_placement, sequence"),
-    _i(f"{MM}:soft_empty_cache", used_by="nodes.comfy_placement, guard.oom"),
-    _i(f"{MM}:current_loaded_models", used_by="nodes.comfy_placement"),
-    _i(f"{MM}:load_models_gpu", used_by="decode.core, nodes.v3_upscale"),
-    _i(f"{MM}:intermediate_device", used_by="decode.core"),
-    _i(f"{MM}:throw_exception_if_processing_interrupted", used_by="decode.core, guard.interrupt"),
-    _i(f"{MM}:resolve_gpu_device_option", used_by="nodes.comfy_placement"),
-    _i(f"{MM}:get_gpu_device_options", used_by="nodes.comfy_types"),
+    _i("nodes:NODE_CLASS_MAPPINGS", used_by="runtime.comfy_nodes, core_nodes.node_class(es)"),
+    _i(f"{MM}:get_all_torch_devices", used_by="nodes.devices (gpu:N is its N-th entry)"),
+    _i(f"{MM}:get_total_memory", used_by="models.release"),
+    _i(f"{MM}:free_memory", used_by="models.make_room, models.release, clones.ask_to_free"),
+    _i(f"{MM}:soft_empty_cache", used_by="models.release, models.empty_cache, guard.oom"),
+    _i(f"{MM}:current_loaded_models", used_by="models.release"),
+    _i(f"{MP}.is_clone", used_by="models.release"),
+    _i(f"{MP}.loaded_size", used_by="models.loaded_bytes (the decode)"),
+    _i(f"{MM}:load_models_gpu", used_by="models.load (the decode, nodes.v3_upscale)"),
+    _i(f"{MM}:load_models_gpu", "param", (1, "memory_required"), "models.load"),
+    _i(f"{MM}:intermediate_device", used_by="models.intermediate_device (the decode)"),
+    _i(f"{MM}:throw_exception_if_processing_interrupted",
+       used_by="interrupts.raise_if_interrupted"),
+    _i(f"{MM}:processing_interrupted", used_by="interrupts.processing_interrupted"),
+    _i(f"{MM}:{interrupts.INTERRUPT_EXCEPTION}", used_by="interrupts.is_interrupt (by name)"),
+    _i(f"{MM}:resolve_gpu_device_option", used_by="models.resolve_gpu_option"),
+    _i(f"{MM}:get_gpu_device_options", used_by="models.gpu_device_options"),
     _i(f"{MM}:pin_memory", used_by="memory.pin_host"),
     _i(f"{MM}:unpin_memory", used_by="memory.unpin_host"),
     _i(f"{MM}:MAX_PINNED_MEMORY", used_by="memory.comfy_pin_budget"),
     _i(f"{MM}:TOTAL_PINNED_MEMORY", used_by="memory.comfy_pin_budget"),
     _i(f"{MM}:NUM_STREAMS", used_by="memory.comfy_block_prefetch"),
     _i("comfy.memory_management:aimdo_enabled", used_by="memory.dynamic_vram_enabled"),
-    _i("comfy.utils:ProgressBar", used_by="decode.core"),
-    _i("comfy.utils:common_upscale", used_by="nodes.v3_utils"),
-    _i("comfy.utils:load_torch_file", used_by="nodes.v3_upscale"),
-    _i("comfy.model_base:MiniMaxH3", used_by="nodes.model_check"),
+    _i("comfy.utils:ProgressBar", used_by="models.progress_bar (the decode)"),
+    _i("comfy.utils:common_upscale", used_by="core_nodes.resize_image"),
+    _i("comfy.utils:load_torch_file", used_by="files.load_torch_file"),
+    # ---- model folders and node helpers (files.py, core_nodes.py)
+    *(_i(f"{files.FOLDER_PATHS}:{name}", used_by="files.model_files, files.model_path")
+      for name in ("folder_names_and_paths", "models_dir", "add_model_folder_path",
+                   "get_filename_list", "get_full_path_or_raise")),
+    _i(f"{core_nodes.NODE_HELPERS}:conditioning_set_values",
+       used_by="core_nodes.conditioning_set_values"),
+    _i(f"{core_nodes.NODE_HELPERS}:conditioning_set_values", "param", (1, "values"),
+       "core_nodes.conditioning_set_values"),
+    _i(f"{MP}", used_by="models.patcher_class"),
+    _i("comfy.model_patcher:ModelPatcherDynamic.register_load_device",
+       used_by="clones._register_load_device (DynamicVRAM)"),
+    _i("comfy.model_base:MiniMaxH3", used_by="h3.h3_model_class (nodes.model_check)"),
     # ---- the sequence mode's helper clones (clones.py)
-    _i(f"{MP}.deepclone_multigpu", used_by="clones.make_clone, clones.clone_refusal"),
+    _i(f"{MP}.deepclone_multigpu", used_by="clones.make_clone, clones.clone_gap"),
+    _i("comfy.model_patcher", "source", "if self.cached_patcher_init is None:",
+       "clones.retarget, decode.replica.comfy_clone (core refuses without a factory)"),
     _i(f"{MP}.deepclone_multigpu", "param", (1, "new_load_device"), "clones.make_clone"),
     _i(f"{MP}.get_clone_model_override", used_by="clones.match_clone"),
     _i(f"{MP}.set_additional_models", used_by="clones.set_clones"),
@@ -176,9 +197,7 @@ INTERNALS: tuple[Internal, ...] = (
     _i("comfy.weight_adapter.bypass", "source", "self.hooks", "clones._rebind_injections"),
     _i(f"{MM}:current_loaded_models", used_by="clones.unload"),
     _i(f"{MM}:free_memory", "param", (2, "keep_loaded"), "clones.unload"),
-    _i(f"{MM}:processing_interrupted", used_by="clones.processing_interrupted"),
-    _i(f"{MM}:throw_exception_if_processing_interrupted", used_by="clones.raise_if_interrupted"),
-    _i(H3, "source", "import comfy.model_management", "clones.in_training"),
+            _i(H3, "source", "import comfy.model_management", "h3.in_training"),
     _i("comfy.model_patcher", "source",
        f'get_additional_models_with_key("{names.MULTIGPU_CLONES}")',
        "clones.match_clone (the CFG split's additional-models key, taken off a helper clone)"),
@@ -192,8 +211,21 @@ INTERNALS: tuple[Internal, ...] = (
     _i(f"{VAE}._decode_tile_row", used_by="vae.INNER (decode.release)", releases=NEWEST),
     # the newest-files bed serves 0.3.64's comfy_extras, which has no multi-GPU nodes: the pack
     # feature-detects them (runtime.nodes_multigpu() is None there)
-    _i("comfy_extras.nodes_multigpu", "source", "class ", "nodes.comfy_placement",
-       RELEASE_033),
+    *(_i(f"comfy_extras.nodes_multigpu:{name}.execute", used_by="core_nodes.multigpu_node",
+         releases=RELEASE_033)
+      for name in ("SelectModelDeviceNode", "SelectCLIPDeviceNode", "SelectVAEDeviceNode")),
+    # ---- the H3 block-replace arguments (the sequence split plan)
+    *(_i(H3, "source", f'"{key}": {value}', "sequence.plan (the block-replace arguments)")
+      for key, value in ((names.BLOCK_IMG, "h"), (names.BLOCK_T_EMB, "t_emb"),
+                         (names.BLOCK_SEGMENTS, "mod_segments"), (names.BLOCK_ROPE, "rope_freqs"),
+                         (names.TRANSFORMER_OPTIONS, "transformer_options"))),
+    _i(H3, "source", f'{{"{names.ORIGINAL_BLOCK}": block_wrap}})["{names.BLOCK_IMG}"]',
+       "sequence.plan (the output gathered; the original block in extra)"),
+    *(_i(f"{H3}:DiTBlock.forward", "param", (index, name),
+         "sequence.plan.BLOCK_ARGS (a helper calls upstream's block positionally)")
+      for index, name in ((1, "x"), (2, "t_emb"), (3, "mod_segments"), (4, "rope_freqs"))),
+    _i(H3, "source", f'args.get("{names.BLOCK_ATTENTION}")',
+       "sequence.plan.NOT_SPLIT (a block handed its own attention is not split)", NEWEST),
 )
 
 

@@ -29,14 +29,11 @@ from typing import Any
 
 import torch
 
+from . import runtime
+
 log = logging.getLogger(__name__)
 
 _PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device, not only the current
-
-
-def comfy_model_management() -> Any | None:
-    """ComfyUI's `comfy.model_management` when ComfyUI runs in this process, else None."""
-    return sys.modules.get("comfy.model_management")
 
 
 # ------------------------------------------------------------------------------ free VRAM
@@ -53,7 +50,7 @@ def free_vram_bytes(device: torch.device | str, patcher: Any = None) -> int | No
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    mm = comfy_model_management()
+    mm = runtime.model_management()
     if mm is not None and hasattr(mm, "get_free_memory"):
         query = getattr(patcher, "get_free_memory", None) or _loaded_patcher_query(mm, device)
         free = int(query(device)) if query is not None else int(mm.get_free_memory(device))
@@ -92,7 +89,7 @@ def _fraction_capped(device: torch.device, free: int) -> int:
 def comfy_runs_on_cpu() -> bool | None:
     """True when ComfyUI computes on the CPU although torch may see GPUs (`--cpu`: 0.33.0 and
     newest `model_management.get_torch_device()` is the CPU); None outside ComfyUI."""
-    mm = comfy_model_management()
+    mm = runtime.model_management()
     if mm is None or not hasattr(mm, "get_torch_device"):
         return None
     return torch.device(mm.get_torch_device()).type == "cpu"
@@ -129,7 +126,7 @@ def vram_budget(index: int) -> VramBudget:
         if fraction < 1.0:
             budget = int(total * fraction)
             limits.append(f"torch memory fraction {fraction:.3g}: {budget / gib:.1f} GiB")
-    mm = comfy_model_management()
+    mm = runtime.model_management()
     reserved = int(getattr(mm, "EXTRA_RESERVED_VRAM", 0) or 0) if mm is not None else 0
     if reserved > 0:
         limits.append(f"ComfyUI keeps {reserved / gib:.1f} GiB free (--reserve-vram)")
@@ -162,7 +159,7 @@ def comfy_block_prefetch() -> str:
     prefetch = sys.modules.get("comfy.model_prefetch")
     if prefetch is None or not hasattr(prefetch, "make_prefetch_queue"):
         return "this ComfyUI has no block prefetch: each layer is cast when it runs"
-    mm = comfy_model_management()
+    mm = runtime.model_management()
     if mm is not None and getattr(mm, "NUM_STREAMS", 1) == 0:
         return ("ComfyUI's block prefetch is off (no offload streams: --disable-async-offload): "
                 "each layer is cast when it runs")
@@ -208,7 +205,7 @@ def comfy_pin_budget() -> PinBudget | None:
     """ComfyUI's pin budget (`model_management.MAX_PINNED_MEMORY` / `TOTAL_PINNED_MEMORY`,
     0.33.0 and newest; the newest derives the limit from a cgroup memory limit when there is
     one), or None outside ComfyUI."""
-    mm = comfy_model_management()
+    mm = runtime.model_management()
     if mm is None or not hasattr(mm, "MAX_PINNED_MEMORY"):
         return None
     return PinBudget(int(mm.MAX_PINNED_MEMORY), int(getattr(mm, "TOTAL_PINNED_MEMORY", 0)))
@@ -239,7 +236,7 @@ def pin_host(region_u8: torch.Tensor) -> tuple[bool, bool]:
     """
     if region_u8.numel() == 0:
         return False, False
-    mm = comfy_model_management()
+    mm = runtime.model_management()
     if _comfy_pinning(mm):
         return _pin_in_comfy(mm, region_u8), True
     if not torch.cuda.is_available():
@@ -271,7 +268,7 @@ def unpin_host(region_u8: torch.Tensor, booked: bool) -> None:
     """Undo `pin_host`: through ComfyUI's `unpin_memory` when it was booked there (the
     budget gets the bytes back), else `cudaHostUnregister`."""
     if booked:
-        comfy_model_management().unpin_memory(region_u8)
+        runtime.model_management().unpin_memory(region_u8)
     else:
         torch.cuda.cudart().cudaHostUnregister(region_u8.data_ptr())
 

@@ -14,6 +14,13 @@ OVERRIDE_KEY = "optimized_attention_override"  # attention override (wrap_attn r
 PATCHES_REPLACE = "patches_replace"  # transformer_options key of the block-replace patches
 DIT_PATCH = "dit"  # the H3 model's patches_replace group (comfy/ldm/minimax/model.py)
 DOUBLE_BLOCK = "double_block"  # the H3 block-replace key: ("double_block", i)
+# the arguments of an H3 block-replace patch: (args, extra) -> {BLOCK_IMG: new h}
+BLOCK_IMG = "img"  # args: the residual stream h [S, C]; the patch's result: the new h
+BLOCK_T_EMB = "t_emb"  # args: the timestep embedding (one row per modulation row group)
+BLOCK_SEGMENTS = "mod_segments"  # args: (start, stop, modulation row) ranges of the token rows
+BLOCK_ROPE = "rope_freqs"  # args: the RoPE rotation table, one row per token
+BLOCK_ATTENTION = "attention"  # args (newest files): an attention module passed to the block
+ORIGINAL_BLOCK = "original_block"  # extra: upstream's block as a patch-style call
 MULTIGPU_CLONES = "multigpu"  # additional-models key of ComfyUI's CFG-split per-GPU clones
 WRAPPERS = "wrappers"  # transformer_options key of the wrappers ComfyUI copies per call
 PREFETCH_DYNAMIC_VBARS = "prefetch_dynamic_vbars"  # DynamicVRAM's per-call block prefetch flag

@@ -1,7 +1,14 @@
-"""ComfyUI's modules, for the pack's calls of its public functions (model management, utils,
+"""ComfyUI's modules, for the seam's calls of its public functions (model management, utils,
 the patcher classes, the model and quantization registries). Each returns the module, or None
-outside ComfyUI (the CLI, the twin tests); callers name the functions they call, and
-`internals.INTERNALS` lists every one with the releases it was checked on."""
+outside ComfyUI (the CLI, the twin tests); the seam functions that call them name the functions
+they call, and `internals.INTERNALS` lists every one with the releases it was checked on.
+
+`model_management()` is the one accessor of `comfy.model_management`. It never imports it
+unless asked (`importing=True`): ComfyUI imports it before any custom node loads, so inside
+ComfyUI both answers are the same module, while outside (the CLI, the CPU tests, the benches)
+importing it would start ComfyUI's device setup wherever a ComfyUI is on the path. Only the
+seam functions that serve the nodes and the split decode, which run inside ComfyUI alone and
+imported it before the seam had one accessor, ask for the import."""
 
 from __future__ import annotations
 
@@ -18,9 +25,15 @@ def _module(name: str) -> ModuleType | None:
         return None
 
 
-def model_management() -> ModuleType | None:
-    """`comfy.model_management`."""
-    return _module("comfy.model_management")
+MODEL_MANAGEMENT = "comfy.model_management"
+
+
+def model_management(*, importing: bool = False) -> ModuleType | None:
+    """`comfy.model_management` if ComfyUI has imported it (with `importing`: imported here
+    when it has not, None where it does not import); see the module docstring."""
+    if importing:
+        return _module(MODEL_MANAGEMENT)
+    return sys.modules.get(MODEL_MANAGEMENT)
 
 
 def utils() -> ModuleType | None:
@@ -53,13 +66,6 @@ def comfy_nodes() -> ModuleType | None:
     it; never imported here: outside ComfyUI a top-level `nodes` may be another package."""
     module = sys.modules.get("nodes")
     return module if hasattr(module, "NODE_CLASS_MAPPINGS") else None
-
-
-def loaded_model_management() -> ModuleType | None:
-    """`comfy.model_management` only if ComfyUI has imported it (never imports it: the OOM and
-    cancel guards run in the CLI and the twin tests too, where importing it would start
-    ComfyUI's device setup)."""
-    return sys.modules.get("comfy.model_management")
 
 
 def loaded_optimized_attention() -> Any:

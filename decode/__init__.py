@@ -3,8 +3,8 @@
 `windows` (pure): the decoder's temporal windows and how they are cut between devices.
 `sizing` (pure): measured memory and time of a window, for the planner.
 `release`: what the split needs of the VAE class, detected per release (0.33.0, newest files).
-`core`: every ComfyUI internal the decode uses (multi-GPU clones, loading, free memory, ...).
-`replica`: a decoding copy of the loaded VAE on another device (DynamicVRAM off).
+`replica`: a decoding copy of the loaded VAE on another device (DynamicVRAM off), or ComfyUI's
+  own multi-GPU clone of it (`comfy_clone`); every ComfyUI call goes through `comfy_seam`.
 `executor`: the threads that run the VAE's own window loop per device into one output buffer.
 `apply`: the ComfyUI seam (`apply_multi_gpu_decode`, an object patch on `decode_temporal`).
 """

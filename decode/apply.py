@@ -35,12 +35,13 @@ from typing import Any
 
 import torch
 
-from ..comfy_seam import names, protocol
+from ..comfy_seam import interrupts, models, names, protocol
+from ..comfy_seam.memory import is_dynamic
 from ..common.devices import parse_devices, validate_devices
-from . import core, sizing
+from . import sizing
 from .executor import DecodeReport, DeviceShare, NotFollowed, SplitDecode
 from .release import check_splittable, release_shape
-from .replica import check_replicable, replica_bytes
+from .replica import CloneMissing, check_replicable, comfy_clone, replica_bytes
 from .windows import WindowLayout, assign_windows, parse_weights
 
 log = logging.getLogger("h3_multigpu")
@@ -155,12 +156,12 @@ class MultiGPUDecode:
         allowed), else why not."""
         if device.type != "cuda":
             return None
-        free = core.free_bytes(device, patcher)
+        free = models.free_bytes(device, patcher)
         if free is None:
             return None
         if free < need and self.config.make_room:
-            core.make_room(need, device)  # ComfyUI unloads models there, as for any load
-            free = core.free_bytes(device, patcher) or 0
+            models.make_room(need, device)  # ComfyUI unloads models there, as for any load
+            free = models.free_bytes(device, patcher) or 0
         if free < need:
             return (f"{device} has {free / sizing.GiB:.1f} GiB free, a decoder and its windows "
                     f"need {need / sizing.GiB:.1f} GiB")
@@ -177,8 +178,8 @@ class MultiGPUDecode:
             return (None, why) if why else (None, None)
         patcher = helper.patcher
         # DynamicVRAM streams the clone's weights; else what is not loaded there yet
-        weights = 0 if core.is_dynamic(patcher) else \
-            max(0, replica_bytes(patcher.model) - core.loaded_bytes(patcher))
+        weights = 0 if is_dynamic(patcher) else \
+            max(0, replica_bytes(patcher.model) - models.loaded_bytes(patcher))
         why = self._room(helper.device, weights + work, patcher)
         if why is not None:
             return None, why
@@ -186,7 +187,7 @@ class MultiGPUDecode:
         if self.memory_for is not None:
             memory = int(self.memory_for(tuple(z_BCTHW.shape), _decode_dtype(self.model)))
         try:
-            core.load_for_decode(patcher, memory)  # ComfyUI loads its clone on the helper
+            models.load([patcher], memory)  # ComfyUI loads its clone on the helper
         except Exception as exc:  # an OOM or a core refusal leaves this helper out
             return None, f"ComfyUI could not load the VAE clone on {helper.device} ({exc})"
         model = patcher.model
@@ -255,10 +256,10 @@ class MultiGPUDecode:
             return type(model).decode_temporal(model, z, output_buffer)
         if output_buffer is None:  # as the model does: the output lives on ComfyUI's side
             output_buffer = torch.empty(model.decode_output_shape(z.shape), dtype=torch.float32,
-                                        device=core.intermediate_device())
-        progress, interrupt = core.progress_and_interrupt(shares[-1].windows[1])
+                                        device=models.intermediate_device())
         run = SplitDecode(model, WindowLayout.from_model(model), shares, output=output_buffer,
-                          progress=progress, check_interrupt=interrupt)
+                          progress=models.progress_bar(shares[-1].windows[1]),
+                          check_interrupt=interrupts.raise_if_interrupted)
         try:
             report = run.run(z)
         except NotFollowed as exc:  # an unknown window loop: its own loop, on the root
@@ -333,7 +334,7 @@ def apply_multi_gpu_decode(vae: Any, config: MultiGPUDecodeConfig | None = None
         devices = _helper_devices(config, root)
     except ValueError as exc:
         return vae, f"NOT ACTIVE: {exc}"
-    dynamic = core.is_dynamic(vae.patcher)
+    dynamic = is_dynamic(vae.patcher)
     source = _helper_source(config, dynamic)
     if source is HelperCopy.COPY:
         if dynamic:
@@ -347,8 +348,8 @@ def apply_multi_gpu_decode(vae: Any, config: MultiGPUDecodeConfig | None = None
         origin = "a copy of the root's loaded decoder (DynamicVRAM off)"
     else:
         try:  # before our patch exists: the clones carry the loader's patches, not ours
-            helpers = [Helper(d, core.multi_gpu_clone(vae.patcher, d)) for d in devices]
-        except core.CoreMissing as exc:
+            helpers = [Helper(d, comfy_clone(vae.patcher, d)) for d in devices]
+        except CloneMissing as exc:
             why = "under DynamicVRAM " if dynamic else ""
             return vae, (f"NOT ACTIVE: {why}a helper's decoder must be ComfyUI's multi-GPU "
                          f"clone, and {exc}")

@@ -46,8 +46,8 @@ from torch import nn
 
 from ..comfy_seam import vae
 from ..comfy_seam.devices import device_context
+from ..comfy_seam.interrupts import is_interrupt
 from ..exchange.streams import current_stream, new_stream, on_streams, record, wait
-from ..guard.interrupt import is_interrupt
 from .replica import drop_restored_methods, make_replica
 from .windows import WindowLayout
 

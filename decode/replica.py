@@ -8,7 +8,7 @@ and the quant conv are shared with the original (never run on the copy, no memor
 keeps the original's class, so its windows run the model's own code.
 
 Under DynamicVRAM the weights are VBAR-managed (cast into the root's VBAR at op time): such
-modules are never copied here; the helper gets ComfyUI's own clone instead (`decode.core`).
+modules are never copied here; the helper gets ComfyUI's own clone instead (`comfy_clone`).
 
 `replica_bytes(model)` says what a copy costs; `check_replicable(model)` says why a model
 cannot be copied faithfully, in which case the decode stays on one GPU.
@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from .core import tensor_bytes
+from ..comfy_seam import clones
+from ..comfy_seam.h3 import tensor_bytes
 from .release import check_splittable
 
 SHARED_CHILDREN = ("encoder", "quant_conv")  # never run when decoding
@@ -30,6 +32,32 @@ _ON_THE_FLY = ("weight_function", "bias_function")  # ComfyUI lowvram/patch hook
 _VBAR = "_v"  # ComfyUI's DynamicVRAM allocation on a layer (ops.cast_bias_weight's VBAR branch)
 
 Copier = Callable[[torch.Tensor, torch.device], torch.Tensor]
+
+
+class CloneMissing(RuntimeError):
+    """This ComfyUI lacks (or refuses) the multi-GPU clone a helper decoder needs; the text
+    says which."""
+
+
+def comfy_clone(patcher: Any, device: torch.device) -> Any:
+    """ComfyUI's own per-device copy of the VAE (`comfy_seam.clones.make_clone`, what Select VAE
+    Device and MultiGPU CFG Split use): reloaded from the loader's factory into a fresh patcher
+    of the same class (`ModelPatcherDynamic` under DynamicVRAM, with its own VBAR on `device`),
+    carrying the patches, so the helper never holds tensors shared with, or deep-copied from,
+    VBAR-managed modules. Core unloads the source patcher and its clones first: call this
+    before the VAE is loaded for a decode, never during one."""
+    gap = clones.clone_gap(patcher)
+    if gap == clones.NO_CLONES:
+        raise CloneMissing("this ComfyUI has no ModelPatcher.deepclone_multigpu (the multi-GPU "
+                           "clone of 0.33.0 and the newest files)")
+    if gap == clones.NO_FACTORY:
+        raise CloneMissing("this VAE's loader registered no reload factory (cached_patcher_init), "
+                           "so ComfyUI cannot clone it for another GPU: load it with Load VAE "
+                           "(VAELoader) or a checkpoint loader")
+    try:
+        return clones.make_clone(patcher, device)
+    except RuntimeError as exc:  # core's own refusal, in its words
+        raise CloneMissing(str(exc)) from exc
 
 
 def _decoding_modules(model: nn.Module) -> Iterator[nn.Module]:

@@ -12,7 +12,6 @@ _LAZY = {
     "DualSageConfig": "apply",
     "DualSageOverride": "apply",
     "ShardingFunction": "apply",
-    "ExactRange": "exactness",
     "apply_dual_sage": "apply",
     "get_sharded_attention": "apply",
     "status_text": "apply",

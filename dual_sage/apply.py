@@ -44,11 +44,11 @@ from ..comfy_seam.devices import device_context
 from ..comfy_seam.h3 import default_attention as seam_default_attention
 from ..common import geometry
 from ..common.devices import parse_devices, validate_devices
+from ..common.exactness import ExactRange, claim, function_name
 from ..exchange.transport import TransportMode, resolve
 from ..kernels import backend_names, backend_refusal
 from ..kernels.comfy_calling import backend_function
 from . import sizing
-from .exactness import ExactRange, claim, function_name
 from .override import (  # noqa: F401  (ShardingFunction, per_heads: read from here too)
     COMFYUI_FUNCTION,
     DualSageOverride,

@@ -12,9 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from ..exchange.shares import heads_by_weights, split_by_weights
+from ..common.split import DeviceSplit, heads_by_weights
 
 
 def parse_split(text: str, heads: int, devices: int) -> tuple[int, ...]:
@@ -57,51 +55,10 @@ def split_weighted(heads: int, weights: Sequence[float]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ShardPlan:
-    """Head counts per device; `devices[0]` is the root."""
-
-    devices: tuple[torch.device, ...]
-    head_counts: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.devices) != len(self.head_counts):
-            raise ValueError(f"shard plan has {len(self.devices)} devices but "
-                             f"{len(self.head_counts)} head counts; give one count per device")
-        if len(self.devices) < 2:
-            raise ValueError("a shard plan needs the root and at least one helper device")
-        if any(c <= 0 for c in self.head_counts):
-            raise ValueError(f"head split {self.head_counts} gives a device no heads; every "
-                             "device needs at least one head")
-        real = [d for d in self.devices if d.type != "cpu"]
-        if len(set(real)) != len(real):
-            raise ValueError(f"shard plan lists a GPU twice: {[str(d) for d in self.devices]}; "
-                             "helpers must differ from the root and from each other")
+class ShardPlan(DeviceSplit):
+    """Head counts per device; `devices[0]` is the root (`common.split.DeviceSplit`: counts and
+    ranges for a call with fewer heads, `describe`)."""
 
     @property
-    def heads(self) -> int:
-        return sum(self.head_counts)
-
-    @property
-    def root(self) -> torch.device:
-        return self.devices[0]
-
-    @property
-    def helpers(self) -> tuple[torch.device, ...]:
-        return self.devices[1:]
-
-    def counts_for(self, heads: int) -> tuple[int, ...]:
-        """Per-device head counts for a call with `heads` heads (zeros allowed)."""
-        if heads == self.heads:
-            return self.head_counts
-        return split_by_weights(heads, self.head_counts)
-
-    def ranges_for(self, heads: int) -> tuple[tuple[int, int], ...]:
-        """Per-device [start, stop) head ranges for a call with `heads` heads."""
-        out, start = [], 0
-        for count in self.counts_for(heads):
-            out.append((start, start + count))
-            start += count
-        return tuple(out)
-
-    def describe(self) -> str:
-        return " + ".join(f"{c}@{d}" for d, c in zip(self.devices, self.head_counts, strict=True))
+    def what(self) -> str:
+        return "a shard plan"

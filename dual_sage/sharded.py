@@ -2,7 +2,7 @@
 
 The attention itself is the caller's `attend(q, k, v)` (ComfyUI's function, or an explicitly
 chosen kernel), run once per head subset, so a split call equals the whole call bit for bit
-whenever that function treats heads independently (see `exactness`).
+whenever that function treats heads independently (see `common.exactness`).
 
 Order of one call (no host synchronisation; streams and events only):
 1. root current stream: gather each helper's heads of q, k, v into a contiguous chunk-major
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.exactness import ExactRange
 from ..exchange.streams import (
     Event,
     Lane,
@@ -46,7 +47,6 @@ from ..exchange.streams import (
 from ..exchange.transport import TransportMode, fetch_chunk, resolve, send_chunk
 from ..exchange.workspace import Workspace, WorkspaceKey
 from . import sizing
-from .exactness import ExactRange
 from .shard_plan import ShardPlan
 
 log = logging.getLogger(__name__)

@@ -11,31 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# heads per helper chunk, by transport (2x H200, ComfyUI's attention function, 35k-102k
-# tokens): through the host relay 4 is best (7: -3 to -6%); over peer copies 14 beats 4 by 2-3%
-# (each chunk is one call of ComfyUI's function: fewer calls save more than the overlap they
-# lose). Peer copies were measured on NVLink only; PCIe peer links are unmeasured.
-HOST_CHUNK_HEADS = 4
-PEER_CHUNK_HEADS = 14
-DEFAULT_CHUNK_HEADS = HOST_CHUNK_HEADS
-
-
-def chunk_heads_for(host_relay: bool) -> int:
-    """The default heads per helper chunk on this transport."""
-    return HOST_CHUNK_HEADS if host_relay else PEER_CHUNK_HEADS
-
+# the sharded call's own time model lives in common (the sequence mode compares against it)
+from ..common.split_time import (  # noqa: F401  (Dual-Sage's names, re-exported)
+    CALL_OVERHEAD_MS,
+    DEFAULT_CHUNK_HEADS,
+    HOST_CHUNK_HEADS,
+    PEER_CHUNK_HEADS,
+    attention_flops,
+    chunk_heads_for,
+    predict_split_ms,
+)
 
 DEFAULT_RING_SLOTS = 3
 HOST_RELAY_SLOTS = 2
-# launch and event overhead of one sharded call (python + ~10 ops per chunk), measured order
-CALL_OVERHEAD_MS = 0.35
 # the split must beat one GPU by this factor before it is switched on
 MIN_TOKENS_MARGIN = 1.10
-
-
-def attention_flops(seq_len: int, heads: int, head_dim: int) -> float:
-    """Non-causal attention: QK^T and PV, 2 flops per multiply-add: 4 * S^2 * D * H."""
-    return 4.0 * seq_len * seq_len * head_dim * heads
 
 
 def helper_workspace_bytes(seq_len: int, helper_heads: int, head_dim: int, *,
@@ -71,35 +61,6 @@ def bytes_moved_per_call(seq_len: int, helper_heads: int, head_dim: int, *,
 def single_gpu_ms(seq_len: int, heads: int, head_dim: int, tflops: float) -> float:
     """Predicted time of the plain call on one GPU."""
     return attention_flops(seq_len, heads, head_dim) / (tflops * 1e9)
-
-
-def predict_split_ms(seq_len: int, head_dim: int, split: Sequence[int], *,
-                     link_gbps: float, tflops: Sequence[float],
-                     chunk_heads: int = DEFAULT_CHUNK_HEADS, element_bytes: int = 2,
-                     host_relay: bool = False) -> float:
-    """Predicted time of one sharded call. `split[0]`/`tflops[0]` are the root's.
-
-    The root attends its heads while each helper receives chunk by chunk: a helper finishes one
-    chunk's transfer latency after the first chunk starts, plus its attention (transfers overlap
-    with it), plus the last chunk's return. A host relay crosses the host twice (two hops).
-    """
-    if len(split) != len(tflops):
-        raise ValueError(f"split {tuple(split)} and tflops {tuple(tflops)} need one entry per "
-                         "device")
-    hops = 2 if host_relay else 1
-    root_ms = attention_flops(seq_len, split[0], head_dim) / (tflops[0] * 1e9)
-    finish = root_ms
-    for heads, rate in zip(split[1:], tflops[1:], strict=True):
-        if heads == 0:
-            continue
-        chunk = min(chunk_heads, heads)
-        chunk_in_ms = hops * 3 * chunk * seq_len * head_dim * element_bytes / (link_gbps * 1e6)
-        chunk_out_ms = chunk_in_ms / 3
-        total_in_ms = hops * 3 * heads * seq_len * head_dim * element_bytes / (link_gbps * 1e6)
-        attend_ms = attention_flops(seq_len, heads, head_dim) / (rate * 1e9)
-        helper_ms = chunk_in_ms + max(attend_ms, total_in_ms - chunk_in_ms) + chunk_out_ms
-        finish = max(finish, helper_ms)
-    return finish + CALL_OVERHEAD_MS
 
 
 def choose_min_tokens(head_dim: int, split: Sequence[int], *, link_gbps: float,

@@ -5,6 +5,6 @@ sequence-parallel mode (`sequence/`, rows split over the whole block loop). What
 streams and events that degrade to no-ops on CPU stand-in devices, with `launch` for issuing work
 and a lazily run CPU stream simulator for tests (`streams`), the two transports, peer copies and
 the chunked pinned host relay (`transport`), the reusable buffers of one Dual-Sage helper lane,
-sized for the largest call (`workspace`), and the proportional split of heads and rows over the
-devices (`shares`, torch-free). `mode` and `links` serve the sequence-parallel mode.
+sized for the largest call (`workspace`). `mode` and `links` serve the sequence-parallel mode.
+The proportional split of heads and rows over the devices is `common.split`.
 """

@@ -36,7 +36,7 @@ import torch
 from ..comfy_seam import protocol
 from ..comfy_seam.h3 import sampled_patcher
 from ..comfy_seam.names import OOM_GUARD_KEY  # noqa: F401  (tests read it from here)
-from ..comfy_seam.runtime import loaded_model_management
+from ..comfy_seam.runtime import model_management as loaded_model_management
 from ..common.arena import LIVE_BUFFERS
 
 log = logging.getLogger("h3_multigpu")

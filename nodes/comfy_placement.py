@@ -5,12 +5,11 @@ Order of preference for MODEL, CLIP and VAE:
    0.33.0 and newest): we call the node's own `execute`, so its rules apply unchanged (fresh
    weights through `deepclone_multigpu`, compute dtype forced to one the GPU supports,
    CFG-split clones pruned, `register_load_device` for a DynamicVRAM patcher);
-2. `ModelPatcher.deepclone_multigpu(new_load_device=...)` where the patcher has it (it calls
-   `register_load_device` itself);
+2. ComfyUI's multi-GPU clone (`comfy_seam.clones.retarget`: the pack's one clone path) where
+   the patcher has it;
 3. otherwise (older ComfyUI, a loader without a reload factory) a clone whose `load_device` is
-   the target, registered with `register_load_device` where the patcher has one (a DynamicVRAM
-   patcher keeps its pins per device and fails in `partially_unload_ram` for a device it never
-   registered), said so in the status.
+   the target, registered with DynamicVRAM where the patcher is dynamic (`clones.retarget`
+   too), said so in the status.
 A LATENT_UPSCALE_MODEL has no core device choice: it is a wrapper with a `.patcher` (Hunyuan and
 H3 style, the pack's loader registers a reload factory so 2. applies) or a ModelPatcher itself
 (LTX style); both are retargeted with 2./3.
@@ -18,7 +17,7 @@ H3 style, the pack's loader registers a reload factory so 2. applies) or a Model
 Every placed object also gets the device guard (`device_guard.py`): the DiT samples, the text
 encoder encodes and the VAE codes with their own GPU current, never the one ComfyUI left current.
 Every function returns (object, note) and never raises for a device that is missing: the
-note says what was asked and where the object stays. Everything ComfyUI is imported lazily.
+note says what was asked and where the object stays. ComfyUI is reached through the seam only.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import copy
 import logging
 from typing import Any
 
-from ..comfy_seam import runtime
+from ..comfy_seam import clones, core_nodes, models
 from ..guard.device import guard_diffusion_model, guard_text_encoder, guard_vae
 from .devices import device_option
 
@@ -36,12 +35,9 @@ log = logging.getLogger("h3_multigpu")
 
 def torch_device(index: int):
     """ComfyUI's torch.device for gpu:index (cuda:index on CUDA and ROCm)."""
-    mm = runtime.model_management()
-    resolve = getattr(mm, "resolve_gpu_device_option", None)
-    if resolve is not None:
-        found = resolve(device_option(index))
-        if found is not None:
-            return found
+    found = models.resolve_gpu_option(device_option(index))
+    if found is not None:
+        return found
     import torch
 
     return torch.device("cuda", index)
@@ -49,7 +45,7 @@ def torch_device(index: int):
 
 def _core_node(name: str):
     """A core multi-GPU node class, or None on a ComfyUI without them (or without ComfyUI)."""
-    return getattr(runtime.nodes_multigpu(), name, None)
+    return core_nodes.multigpu_node(name)
 
 
 def _first(output: Any) -> Any:
@@ -66,20 +62,7 @@ def retarget_patcher(patcher: Any, target) -> tuple[Any, str]:
     """A patcher whose load device is `target`; the input patcher is left untouched."""
     if _same_device(getattr(patcher, "load_device", None), target):
         return patcher.clone(), "already there"
-    deepclone = getattr(patcher, "deepclone_multigpu", None)
-    reason = "this ComfyUI has no deepclone_multigpu"
-    if deepclone is not None:
-        try:
-            return deepclone(new_load_device=target), "deepclone_multigpu"
-        except RuntimeError as exc:  # loaders without a reload factory cannot deepclone
-            reason = f"deepclone_multigpu refused ({exc})"
-    clone = patcher.clone()
-    clone.load_device = target
-    # ModelPatcherDynamic.register_load_device (0.33.0, newest): its per-device pin state
-    register = getattr(clone, "register_load_device", None)
-    if register is not None:
-        register(target)
-    return clone, f"load_device set on a clone ({reason})"
+    return clones.retarget(patcher, target)
 
 
 def _checked(obj_device, index: int, what: str, how: str) -> str:
@@ -157,25 +140,13 @@ def place_upscaler(upscaler: Any, index: int) -> tuple[Any, str]:
 
 
 def release_text_encoder(clip: Any) -> str:
-    """Unload the text encoder's weights from its GPU (public model_management calls only).
-
-    Every other loaded model is passed as keep_loaded, so only this encoder leaves; ComfyUI
-    reloads it by itself when a new prompt needs encoding.
-    """
-    mm = runtime.model_management()
-    if mm is None:
+    """Unload the text encoder's weights from its GPU (`comfy_seam.models.release`: every
+    other loaded model stays); ComfyUI reloads it by itself when a new prompt needs encoding."""
+    try:
+        released = models.release(clip.patcher)
+    except models.ComfyUIMissing:
         return "text encoder release skipped: ComfyUI's model management is not importable"
-    patcher = clip.patcher
-    loaded = list(getattr(mm, "current_loaded_models", []))
-    mine = [lm for lm in loaded if lm.model is not None
-            and (lm.model is patcher or lm.model.is_clone(patcher))]
-    if not mine:
+    if released is None:
         return "text encoder: not resident on a GPU, nothing to release"
-    device = mine[0].device
-    keep = [lm for lm in loaded if lm not in mine]
-    # Asking for more than the card holds makes free_memory unload every model it may touch,
-    # and keep_loaded limits that to the text encoder.
-    wanted = mm.get_total_memory(device) * 2
-    unloaded = mm.free_memory(wanted, device, keep_loaded=keep)
-    mm.soft_empty_cache()
-    return f"text encoder released from {device} ({len(unloaded)} model(s) unloaded)"
+    device, unloaded = released
+    return f"text encoder released from {device} ({unloaded} model(s) unloaded)"

@@ -23,11 +23,11 @@ def preview_text(text: str):
 
 def gpu_device_options() -> list[str]:
     """ComfyUI's own device list ("default", "cpu", "gpu:N"), or ours on older versions."""
-    from ..comfy_seam import runtime
+    from ..comfy_seam.models import gpu_device_options as comfy_options
 
-    options = getattr(runtime.model_management(), "get_gpu_device_options", None)
+    options = comfy_options()
     if options is not None:
-        return list(options())
+        return options
     from .devices import gpu_inventory
 
     return ["default", *(g.option for g in gpu_inventory())]

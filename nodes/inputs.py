@@ -9,6 +9,10 @@ wants, raising ValueError with the same kind of message.
 from __future__ import annotations
 
 from ..common import geometry
+from ..common.checks import check_canvas, check_seconds, check_two_pass  # noqa: F401
+
+# check_canvas, check_two_pass and check_seconds are shared with the API client, so they live
+# in common/checks.py; the nodes reach them here, with the rest of their input rules.
 
 AUTO = "auto"
 DURATION_CHOICES = (5, 10, 12, 15)  # seconds the model was trained around (124..362 frames)
@@ -33,36 +37,6 @@ def whole_number(text: str) -> int | None:
     if not (digits.isascii() and digits.isdigit() and len(digits) <= MAX_DIGITS):
         return None
     return int(body)
-
-
-def check_canvas(width: int, height: int, label: str) -> str | None:
-    try:
-        geometry.validate_canvas(width, height)
-    except ValueError as exc:
-        return f"{label}: {exc}"
-    return None
-
-
-def check_two_pass(pass1_width: int, pass1_height: int, pass2_width: int, pass2_height: int
-                   ) -> str | None:
-    """Both canvases valid for H3 and PASS2 no smaller than PASS1 in either side."""
-    for message in (check_canvas(pass1_width, pass1_height, "PASS1"),
-                    check_canvas(pass2_width, pass2_height, "PASS2")):
-        if message:
-            return message
-    try:
-        geometry.validate_two_pass(pass1_width, pass1_height, pass2_width, pass2_height)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def check_seconds(seconds: float) -> str | None:
-    try:
-        geometry.snap_frames(seconds)
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 def seconds_to_frames(seconds: float) -> tuple[int, float]:

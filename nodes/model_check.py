@@ -35,13 +35,13 @@ def comfy_formats() -> dict[str, tuple[frozenset[str], frozenset[str]]] | None:
     `comfy.quant_ops.QUANT_ALGOS` (ComfyUI internal; read on 0.33.0 and the newest files:
     name -> {"storage_t": torch dtype, ...}); None without it. The scales each format requires
     are the pack's table (`FORMATS`), since QUANT_ALGOS lists optional ones too."""
-    from ..comfy_seam import runtime
+    from ..comfy_seam.h3 import quant_algos
 
-    QUANT_ALGOS = getattr(runtime.quant_ops(), "QUANT_ALGOS", None)  # noqa: N806
-    if QUANT_ALGOS is None:
+    algos = quant_algos()
+    if algos is None:
         return None
     out = {}
-    for name, algo in QUANT_ALGOS.items():
+    for name, algo in algos.items():
         stored = _STORED.get(str(algo.get("storage_t")) if isinstance(algo, dict) else "")
         required = FORMATS.get(name, (frozenset(), frozenset()))[1]
         out[name] = (frozenset(stored or ()), required)  # unknown storage: not checked
@@ -64,9 +64,9 @@ def model_file(model: Any) -> str | None:
 def _h3_class() -> type | None:
     """`comfy.model_base.MiniMaxH3` (ComfyUI internal; 0.33.0 and the newest files), or None
     on a ComfyUI without H3 or outside ComfyUI (the twin in tests)."""
-    from ..comfy_seam import runtime
+    from ..comfy_seam.h3 import h3_model_class
 
-    return getattr(runtime.model_base(), "MiniMaxH3", None)
+    return h3_model_class()
 
 
 def h3_model_problem(model: Any) -> str | None:

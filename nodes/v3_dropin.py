@@ -125,9 +125,9 @@ def _model_inputs(server) -> dict:
 
 def _support_line(server) -> str | None:
     """Whether this ComfyUI has H3's nodes (and the graph's upscale), or None outside it."""
-    from ..comfy_seam import runtime
+    from ..comfy_seam.core_nodes import node_classes
 
-    classes = getattr(runtime.comfy_nodes(), "NODE_CLASS_MAPPINGS", None)
+    classes = node_classes()
     return comfyui_support_line(classes, server.passes) if classes is not None else None
 
 

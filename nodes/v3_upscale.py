@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..comfy_seam import runtime
+from ..comfy_seam import core_nodes, files, models
 from ..common.geometry import MAX_CANVAS_SIDE as SIZE_MAX
 from ..common.geometry import validate_canvas
 from ..planner.checkpoint_check import read_checkpoint
@@ -41,15 +41,6 @@ class PackUpscaler:
         return self.patcher.load_device
 
 
-def _patcher_class(disable_dynamic: bool):
-    """The patcher class ComfyUI loads its own models with: `comfy.model_patcher.CoreModelPatcher`
-    (0.33.0 and newest; `ModelPatcherDynamic` under DynamicVRAM), the plain ModelPatcher when a
-    non-dynamic copy is asked for or on a ComfyUI without it."""
-    patchers = runtime.model_patcher()
-    plain = patchers.ModelPatcher
-    return plain if disable_dynamic else getattr(patchers, "CoreModelPatcher", plain)
-
-
 def load_upscaler_patcher(path: str, disable_dynamic: bool = False):
     """The upscaler checkpoint at `path` in ComfyUI's patcher class for models, with itself as
     the reload factory (`cached_patcher_init`: ComfyUI calls it for multi-GPU clones, with
@@ -58,33 +49,25 @@ def load_upscaler_patcher(path: str, disable_dynamic: bool = False):
 
     from ..upscale import build_from_state_dict
 
-    mm = runtime.model_management()
-
     if path.lower().endswith((".safetensors", ".sft")):
         read_checkpoint(path, "latent upscaler")  # a truncated or foreign file, named first
-    sd = runtime.utils().load_torch_file(path, safe_load=True)
+    sd = files.load_torch_file(path)
     try:
         net = build_from_state_dict(sd)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    device = mm.get_torch_device()
+    device = models.torch_device()
     # fp16 as published on a GPU that runs it; fp32 on the CPU (no half conv3d there).
-    net = net.to(torch.float16 if mm.should_use_fp16(device) else torch.float32)
-    patcher = _patcher_class(disable_dynamic)(net, load_device=device,
-                                              offload_device=mm.unet_offload_device())
+    net = net.to(torch.float16 if models.should_use_fp16(device) else torch.float32)
+    patcher = models.patcher_class(disable_dynamic)(net, load_device=device,
+                                                    offload_device=models.offload_device())
     patcher.cached_patcher_init = (load_upscaler_patcher, (path,))
     return patcher
 
 
 def _folder_files() -> list[str]:
-    import folder_paths
-
-    if FOLDER not in folder_paths.folder_names_and_paths:
-        # Older ComfyUI has no such folder: models/latent_upscale_models, as newer ones name it.
-        import os
-
-        folder_paths.add_model_folder_path(FOLDER, os.path.join(folder_paths.models_dir, FOLDER))
-    return folder_paths.get_filename_list(FOLDER)
+    # Older ComfyUI has no such folder: the seam adds models/latent_upscale_models first.
+    return files.model_files(FOLDER)
 
 
 class H3MultiGPULatentUpscalerLoader(io.ComfyNode):
@@ -104,9 +87,7 @@ class H3MultiGPULatentUpscalerLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, upscaler_name) -> io.NodeOutput:
-        import folder_paths
-
-        path = folder_paths.get_full_path_or_raise(FOLDER, upscaler_name)
+        path = files.model_path(FOLDER, upscaler_name)
         return io.NodeOutput(PackUpscaler(load_upscaler_patcher(path), upscaler_name))
 
 
@@ -148,13 +129,11 @@ class H3MultiGPULatentUpscale(io.ComfyNode):
         if isinstance(model, PackUpscaler):
             from ..upscale import upscale_latent
 
-            runtime.model_management().load_models_gpu([model.patcher])
+            models.load([model.patcher])
             out = upscale_latent(model.patcher.model, samples, width, height,
                                  device=model.patcher.load_device)
             return io.NodeOutput(out)
-        import nodes
-
-        core = nodes.NODE_CLASS_MAPPINGS.get(CORE_UPSCALE_NODE)
+        core = core_nodes.node_class(CORE_UPSCALE_NODE)
         if core is None:
             raise ValueError("this LATENT_UPSCALE_MODEL was not loaded by 'H3 Load Latent "
                              "Upscaler'; load minimax_h3_latent_upscaler_3d_conv_v1_fp16."

@@ -85,9 +85,7 @@ class H3MultiGPUKeyframesToSize(io.ComfyNode):
 
     @classmethod
     def execute(cls, positive, vae, latent, first_frame=None, last_frame=None) -> io.NodeOutput:
-        import node_helpers
-
-        from ..comfy_seam import runtime
+        from ..comfy_seam import core_nodes
 
         samples = latent["samples"]
         video = samples.tensors[0] if getattr(samples, "is_nested", False) else samples
@@ -97,7 +95,7 @@ class H3MultiGPUKeyframesToSize(io.ComfyNode):
         def fit(image, crop: str):
             # Same fitting as the first pass: the first frame is stretched, the last cropped.
             pixels = image[:1, :, :, :3].movedim(-1, 1)
-            pixels = runtime.utils().common_upscale(pixels, width, height, "lanczos", crop)
+            pixels = core_nodes.resize_image(pixels, width, height, "lanczos", crop)
             return pixels.movedim(1, -1)
 
         keyframes = []
@@ -108,7 +106,7 @@ class H3MultiGPUKeyframesToSize(io.ComfyNode):
             keyframes.append({"resolved_frame_index": frame_count - 1,
                               "latent": vae.encode(fit(last_frame, "center"))})
         # Replace (not extend) the PASS1-sized keyframes; text conditioning stays as it was.
-        positive = node_helpers.conditioning_set_values(positive, {KEYFRAMES_KEY: keyframes})
+        positive = core_nodes.conditioning_set_values(positive, {KEYFRAMES_KEY: keyframes})
         return io.NodeOutput(positive)
 
 

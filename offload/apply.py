@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..comfy_seam import protocol
+from ..comfy_seam.interrupts import raise_if_interrupted as check_interrupt
 from ..comfy_seam.memory import (
     comfy_pin_budget,
     dynamic_vram_line,
@@ -43,12 +44,11 @@ from ..comfy_seam.memory import (
     is_dynamic,
     pin_budget_bytes,
 )
+from ..common.block_weights import leaves_of, module_bytes
 from ..common.engine import root_device
-from ..guard.interrupt import check_interrupt
 from . import policy, sizing
 from .config import GIB, PrefetchConfig, host_memory_bytes
 from .streamer import BlockStreamer, Source
-from .weights import leaves_of, module_bytes
 
 log = logging.getLogger(__name__)
 

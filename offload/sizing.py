@@ -1,7 +1,7 @@
 """Torch-free sizing for block streaming: what the prefetcher costs in bytes and in time.
 
 Pure Python (no torch import) so the planner can size a run before anything is loaded.
-The same rules are used by the runtime (`weights.BlockLayout`, `slots.SlotRing`,
+The same rules are used by the runtime (`common.block_weights.BlockLayout`, `slots.SlotRing`,
 `arena.HostArena`, `arena.StagingRing`), and tests check that both agree.
 
 Vocabulary: a block is *resident* when its weights stay on the root GPU, *streamed* when they
@@ -15,16 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-ALIGNMENT = 256  # bytes; every tensor of a block starts on this boundary in its flat buffer
+from ..common.alignment import ALIGNMENT, aligned
+
 # a block's flat buffer exceeds its tensors' bytes by < ALIGNMENT per tensor (leaf); this covers
 # 256 leaves, several times what an H3 block has (quantized scales included)
 ARENA_SLACK_PER_BLOCK = 64 * 1024
 STAGING_BUFFERS = 2  # double-buffered: one is filled on the worker while the other is copied
-
-
-def aligned(nbytes: int, alignment: int = ALIGNMENT) -> int:
-    """`nbytes` rounded up to the next multiple of `alignment`."""
-    return -(-nbytes // alignment) * alignment
 
 
 def block_flat_bytes(tensor_nbytes: Iterable[int], alignment: int = ALIGNMENT) -> int:

@@ -30,10 +30,10 @@ import torch
 
 from ..comfy_seam.memory import pin_budget_bytes
 from ..common.arena import HostArena, HostBuffer, StagingRing, booked_bytes
+from ..common.block_weights import BlockWeights
 from ..common.engine import CopyEngine, make_engine, root_device
 from ..common.slots import SlotRing
 from . import sizing
-from .weights import BlockWeights
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""How the GPUs share each pass: the stage's output types and the rate conversions the sequence
-mode's runtime reuses (`sequence.apply.config_from_plan`).
+"""How the GPUs share each pass: the stage's output types and the rate conversions, shared with the
+sequence mode's runtime (`sequence.sizing.gpu_speed` / `link_speed`).
 
 Per pass (PASS1, PASS2) `planner.modes` predicts a step with each mode available, each with the
 memory that mode has (its own chunking and residency), and keeps the fastest that fits, never
@@ -14,10 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..chunking.sizing import EXACT_MIN_ROWS  # the GPU row floor (torch-free)
-from ..sequence import sizing as sequence_sizing
-from .hardware import GPUSpec, HardwareProfile
+from ..sequence.sizing import gpu_speed, link_speed  # the one conversion (runtime too)
 from .request import PARALLEL_MODES as MODES
-from .timing import link_speed as _link_speed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,21 +46,6 @@ class ParallelPlan:
     def describe(self, name: str) -> str:
         p = self.passes[name]
         return f"{p.mode} ({p.speedup:.2f}x predicted) -- {p.reason}"
-
-
-def gpu_speed(gpu: GPUSpec, attention: bool | str = False) -> sequence_sizing.GPUSpeed:
-    """The sequence mode's rates of one GPU: bf16 GEMMs, the attention kernel (`attention` a
-    kernel name, or the old flag: True = the fastest INT8-QK kernel), memory bandwidth."""
-    if isinstance(attention, str):
-        rate = gpu.attention_rate(attention)[0]
-    else:
-        rate = gpu.int8_attention_tflops if attention and gpu.int8_attention_tflops else \
-            gpu.attention_tflops
-    return sequence_sizing.GPUSpeed(gpu.matmul_tflops, rate, gpu.memory_bandwidth_gbs)
-
-
-def link_speed(profile: HardwareProfile) -> sequence_sizing.LinkSpeed:
-    return _link_speed(profile.link)
 
 
 __all__ = ["EXACT_MIN_ROWS", "MODES", "ParallelPlan", "PassParallel", "gpu_speed", "link_speed"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ..common import geometry
 from ..dual_sage import sizing as dual_sage_sizing
 from ..sequence import sizing as sequence_sizing
+from ..sequence.sizing import link_speed  # the one conversion (the runtime uses it too)
 from .hardware import GB, GPUSpec, LinkSpec
 
 UPSCALER_CONV_EFFICIENCY = 0.5  # 3D convs against the card's GEMM rate: an estimate
@@ -81,12 +82,6 @@ def sequence_block_s(tokens: int, gpus: list[GPURates], heads: tuple[int, ...],
     return sequence_sizing.sequence_block_ms(
         tokens, [g.speed() for g in gpus], heads, link_speed(link), row_weights=row_weights,
         streamed_block_bytes=helper_streamed_block_bytes) / 1e3
-
-
-def link_speed(link: LinkSpec) -> sequence_sizing.LinkSpeed:
-    if link.peer_access:
-        return sequence_sizing.LinkSpeed(link.peer_gbs, False, link.host_pinned_gbs)
-    return sequence_sizing.LinkSpeed(link.host_pinned_gbs, True, link.host_pinned_gbs)
 
 
 def _link_args(link: LinkSpec) -> dict:

@@ -2,8 +2,9 @@
 
 Per block, every share k runs upstream `DiTBlock.forward` (the root through the block-replace
 patch's `original_block`, each helper on its own ComfyUI-managed clone of the block) on its
-rows, with the per-forward arguments sliced for them: the residual rows, `mod_segments`
-clipped and re-based (`clip_segments`), the RoPE table's rows, a copy of `t_emb`. Attention is
+rows, with the per-forward arguments sliced for them by the split plan (`plan.SPLIT_PLAN`): the
+residual rows, `mod_segments` clipped and re-based, the RoPE table's rows, a copy of `t_emb`;
+the output rows gather back into the model's h (`plan.GATHER_PLAN`). Attention is
 the block's only cross-row operation; the block calls it through ComfyUI's
 `optimized_attention_override`, where `ShareAttention` does the head all-to-all:
 
@@ -43,50 +44,51 @@ from typing import Any
 import torch
 
 from ..comfy_seam import clones as comfy_clones
+from ..comfy_seam import names
 from ..comfy_seam.devices import device_context
 from ..comfy_seam.names import OVERRIDE_KEY
 from ..exchange.links import Link, keep_until_used
 from ..exchange.streams import current_stream, record, wait
 from ..exchange.transport import TransportMode
+from .plan import (
+    GATHER_PLAN,
+    INPUTS,
+    OUTPUT,
+    RESIDUAL,
+    SPLIT_PLAN,
+    RowSplit,
+    Segments,
+    helper_share,
+    root_share,
+)
 from .split import SequenceSplit
 from .threads import DEFAULT_TIMEOUT_S, Exchange, ShareWorker, run_shares
 
-Segments = list[tuple[int, int, Any]]
-# one share's block call: (x_sC, t_emb, segments, rope, transformer_options) -> new x_sC
-BlockCall = Callable[[torch.Tensor, torch.Tensor, Segments, torch.Tensor, dict], torch.Tensor]
-
-
-def clip_segments(segments: Segments, start: int, stop: int) -> Segments:
-    """Modulation segments of rows [start, stop), re-based to start at 0.
-
-    A segment's row is a modulation row index, or a per-token index tensor over the segment
-    (sliced to the clipped rows)."""
-    out: Segments = []
-    for a, b, row in segments:
-        lo, hi = max(a, start), min(b, stop)
-        if lo >= hi:
-            continue
-        if isinstance(row, torch.Tensor) and row.ndim > 0:
-            row = row[lo - a:hi - a]
-        out.append((lo - start, hi - start, row))
-    return out
+# one share's block call: (its arguments by `plan.SPLIT_PLAN` key, transformer_options) -> new h
+BlockCall = Callable[[dict[str, Any], dict], torch.Tensor]
 
 
 @dataclass
 class DeviceRows:
-    """One share of the residual stream and of the per-forward block inputs."""
+    """One share of the residual stream and of the per-forward block inputs (by plan key)."""
 
     device: torch.device
     start: int
     stop: int
     x_sC: torch.Tensor  # the root's: a view of the model's h; a helper's: its own tensor
-    t_emb: torch.Tensor
-    rope: torch.Tensor  # [1, s, 1, r/2, 2, 2]
-    segments: Segments
+    inputs: dict[str, Any]  # `plan.INPUTS`: t_emb, mod_segments, rope_freqs of these rows
 
     @property
     def rows(self) -> int:
         return self.stop - self.start
+
+    @property
+    def segments(self) -> Segments:
+        return self.inputs[names.BLOCK_SEGMENTS]
+
+    def args(self) -> dict[str, Any]:
+        """The share's block arguments: its residual rows and its inputs."""
+        return {RESIDUAL: self.x_sC, **self.inputs}
 
 
 @dataclass
@@ -95,13 +97,14 @@ class SplitState:
 
     h_SC: torch.Tensor  # the model's residual tensor (root rows live, the others stale)
     shares: list[DeviceRows]
-    inputs: tuple[int, int, int]  # ids of (t_emb, rope_freqs, mod_segments) it was built for
+    inputs: tuple[int, ...]  # ids of the `plan.INPUTS` values it was built for
     version: int | None = None
     gathered: bool = False
 
-    def owns(self, h_SC: torch.Tensor, t_emb: Any, rope: Any, segments: Any) -> bool:
-        """True when `h_SC` is the tensor this state returned, untouched since."""
-        return (h_SC is self.h_SC and self.inputs == (id(t_emb), id(rope), id(segments))
+    def owns(self, h_SC: torch.Tensor, inputs: tuple[Any, ...]) -> bool:
+        """True when `h_SC` is the tensor this state returned, untouched since, and the block
+        call's inputs (`plan.inputs_of`) are the ones it was built for."""
+        return (h_SC is self.h_SC and self.inputs == tuple(id(v) for v in inputs)
                 and self.version == tensor_version(h_SC))
 
 
@@ -151,14 +154,15 @@ class SequenceRunner:
         self.workers = [None] * len(self.workers)
 
     # ------------------------------------------------------------------ scatter / gather
-    def scatter(self, h_SC: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
-                segments: Segments) -> SplitState:
-        """Split the residual stream and the block inputs over the devices (first block)."""
-        rows = self.split.rows_for(h_SC.shape[0])
+    def scatter(self, args: dict[str, Any]) -> SplitState:
+        """Split the residual stream and the block inputs over the devices (first block), each
+        argument by its `plan.SPLIT_PLAN` spec."""
+        h_SC = args[RESIDUAL]
+        rows = self.split.rows_for(h_SC.shape[_RESIDUAL_SPEC.dim])
         root = self.devices[0]
-        t_emb = t_emb.contiguous()
-        shares = [DeviceRows(root, rows[0][0], rows[0][1], h_SC[rows[0][0]:rows[0][1]], t_emb,
-                             rope[:, rows[0][0]:rows[0][1]], clip_segments(segments, *rows[0]))]
+        a0, b0 = rows[0]
+        root_inputs = {key: root_share(SPLIT_PLAN[key], args[key], a0, b0) for key in INPUTS}
+        shares = [DeviceRows(root, a0, b0, _RESIDUAL_SPEC.rows(h_SC, a0, b0), root_inputs)]
         # (device index, destination, source): every source is made contiguous BEFORE the
         # event below, so no copy kernel queued after it can still be writing what a link reads
         sends: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -167,22 +171,15 @@ class SequenceRunner:
             a, b = rows[k]
             device = self.devices[k]
             with device_current(device):
-                x_sC = torch.empty((b - a, h_SC.shape[1]), dtype=h_SC.dtype, device=device)
-                t_k = torch.empty_like(t_emb, device=device)
-                rope_k = torch.empty((1, b - a, *rope.shape[2:]), dtype=rope.dtype, device=device)
-                sends += [(k, x_sC, h_SC[a:b]), (k, t_k, t_emb),
-                          (k, rope_k, rope[:, a:b].contiguous())]
-                seg_k = []
-                for s0, s1, row in clip_segments(segments, a, b):
-                    if isinstance(row, torch.Tensor):
-                        row_k = torch.empty(row.shape, dtype=row.dtype, device=device)
-                        sends.append((k, row_k, row.contiguous()))
-                        row = row_k
-                    seg_k.append((s0, s1, row))
+                values = {}
+                for key, spec in SPLIT_PLAN.items():
+                    values[key], copies = helper_share(spec, args[key], a, b, device)
+                    sends += [(k, dst, src) for dst, src in copies]
                 # the buffers above were allocated on k's compute stream: a link writes them
                 # only after what that stream queued before (their memory's last owner) is done
                 allocated[k] = record(current_stream(device))
-            shares.append(DeviceRows(device, a, b, x_sC, t_k, rope_k, seg_k))
+            x_sC = values.pop(RESIDUAL)
+            shares.append(DeviceRows(device, a, b, x_sC, values))
         # everything sent below was produced on the root's compute stream
         produced = record(current_stream(root))
         arrived: dict[int, Any] = {}
@@ -193,7 +190,7 @@ class SequenceRunner:
                 # k's first kernels read these: they must have arrived (one receive stream, in
                 # order, so the last arrival covers every copy to k)
                 wait(current_stream(self.devices[k]), event)
-        return SplitState(h_SC, shares, (0, 0, 0))
+        return SplitState(h_SC, shares, tuple(id(args[key]) for key in INPUTS))
 
     def _send(self, src: int, dst: int, dst_tensor: torch.Tensor, src_tensor: torch.Tensor,
               after: Any, dst_ready: Any) -> Any:
@@ -217,8 +214,8 @@ class SequenceRunner:
             with device_current(share.device):
                 # the rows are final only after k's last block kernels
                 done = record(current_stream(share.device))
-            arrivals.append(self._send(k, 0, state.h_SC[share.start:share.stop], share.x_sC,
-                                       done, root_ready))
+            into = _GATHER.rows(state.h_SC, share.start, share.stop)
+            arrivals.append(self._send(k, 0, into, share.x_sC, done, root_ready))
         for arrived in arrivals:
             # the root reads h next: every helper's rows must have landed
             wait(current_stream(root), arrived)
@@ -262,11 +259,17 @@ class SequenceRunner:
                 self.workers[k] = ShareWorker(f"h3-sequence-share-{k}")
 
 
+_RESIDUAL_SPEC = SPLIT_PLAN[RESIDUAL]
+assert isinstance(_RESIDUAL_SPEC, RowSplit)
+# the output is gathered where the residual came from: the model loop hands it on
+_GATHER = RowSplit(GATHER_PLAN[OUTPUT].dim, _RESIDUAL_SPEC.expected_dims)
+
+
 def _job(call: BlockCall, share: DeviceRows, options: dict,
          override: ShareAttention) -> Callable[[], torch.Tensor]:
     def job() -> torch.Tensor:
         with device_current(share.device):
-            out = call(share.x_sC, share.t_emb, share.segments, share.rope, options)
+            out = call(share.args(), options)
         if not override.called:
             raise RuntimeError("sequence parallel: the block returned without calling "
                                "attention through transformer_options' override; it cannot "

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..chunking import sizing as block_sizing
 from ..common import geometry
-from ..dual_sage import sizing as dual_sage_sizing
-from ..exchange import shares
+from ..common.split import split_by_weights
+from ..common.split_time import predict_split_ms
 
 # heads per attention call within a device's share (2x H200, full PASS2 steps, bit-identical
 # each way; `docs/BENCHMARKS.md`). Over peer copies 7 gave 1.93x / 1.90x at 68,706 / 35,305
@@ -67,6 +68,28 @@ class LinkSpeed:
     host_gbps: float = 50.0  # pinned host -> GPU (weights streamed to a helper)
 
 
+def gpu_speed(gpu: Any, attention: bool | str = False) -> GPUSpeed:
+    """One GPU's rates from a hardware description (the planner's `GPUSpec`: `matmul_tflops`,
+    `memory_bandwidth_gbs`, `attention_rate(kernel)`, `attention_tflops`,
+    `int8_attention_tflops`): bf16 GEMMs, the attention kernel (`attention` a kernel name, or
+    the old flag: True = the fastest INT8-QK kernel), memory bandwidth. The planner and the
+    runtime's `config_from_plan` convert with this one function."""
+    if isinstance(attention, str):
+        rate = gpu.attention_rate(attention)[0]
+    else:
+        rate = gpu.int8_attention_tflops if attention and gpu.int8_attention_tflops else \
+            gpu.attention_tflops
+    return GPUSpeed(gpu.matmul_tflops, rate, gpu.memory_bandwidth_gbs)
+
+
+def link_speed(link: Any) -> LinkSpeed:
+    """The link between the GPUs from a hardware description (the planner's `LinkSpec`:
+    `peer_access`, `peer_gbs`, `host_pinned_gbs`): peer copies, else the pinned host relay."""
+    if link.peer_access:
+        return LinkSpeed(link.peer_gbs, False, link.host_pinned_gbs)
+    return LinkSpeed(link.host_pinned_gbs, True, link.host_pinned_gbs)
+
+
 def _ms(flops: float, tflops: float) -> float:
     return flops / (tflops * 1e9)
 
@@ -91,8 +114,8 @@ def one_gpu_block_ms(seq_len: int, gpu: GPUSpeed, *, element_bytes: int = 2) -> 
 
 
 def split_counts(total: int, weights: Sequence[float]) -> list[int]:
-    """The rows or heads per device (`exchange.shares`, the rounding the runtime split uses)."""
-    return list(shares.split_by_weights(total, weights))
+    """The rows or heads per device (`common.split`, the rounding the runtime split uses)."""
+    return list(split_by_weights(total, weights))
 
 
 def sequence_block_ms(seq_len: int, gpus: Sequence[GPUSpeed], head_counts: Sequence[int],
@@ -134,7 +157,7 @@ def heads_block_ms(seq_len: int, gpus: Sequence[GPUSpeed], head_counts: Sequence
                    link: LinkSpeed, *, element_bytes: int = 2) -> float:
     """Dual-Sage: the root's rows work on all rows plus the sharded attention call."""
     root = gpus[0]
-    call = dual_sage_sizing.predict_split_ms(
+    call = predict_split_ms(
         seq_len, geometry.HEAD_DIM, list(head_counts), link_gbps=link.gbps,
         tflops=[g.attention_tflops for g in gpus], element_bytes=element_bytes,
         host_relay=link.host_relay)

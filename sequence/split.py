@@ -14,7 +14,7 @@ with the row count (cuBLAS on H200: >= 4096 rows, measured by the chunking work;
 on-activation adapters their GEMMs' measured floors, `chunking.exact_rows`, which can be higher
 or unknown; per weight format: INT8 ConvRot weights need no floor), and each attention call's
 heads inside the measured exact range of the head subsets (on the CPU with more than one thread:
-2 heads, `dual_sage.exactness`). `refusal` says why a length falls outside it; the caller then
+2 heads, `common.exactness`). `refusal` says why a length falls outside it; the caller then
 runs the step another way.
 """
 
@@ -29,8 +29,9 @@ import torch
 # smallest row share whose GEMMs matched the full-length run on H200 (the chunking floor)
 from ..chunking.sizing import EXACT_MIN_ROWS as EXACT_MIN_ROWS_GPU  # noqa: E402
 from ..chunking.sizing import MIN_QUERY_TILES_PER_CALL
-from ..dual_sage.exactness import default_range
-from ..exchange import shares
+from ..common.exactness import default_range
+from ..common.split import DeviceSplit, heads_by_weights, ranges_of
+from ..common.split import split_by_weights as _split_by_weights
 from .sizing import DEFAULT_CHUNK_HEADS
 
 # CPU stand-ins (tests): small-M paths for a few rows (1-3 rows differed on AVX2; fp32 with two
@@ -41,20 +42,12 @@ EXACT_MIN_ROWS_CPU = 16
 def split_by_weights(total: int, weights: Sequence[float]) -> tuple[int, ...]:
     """Largest-remainder rounding of `total` in proportion to `weights` (sums to `total`)."""
     _check_weights(weights)
-    return shares.split_by_weights(total, weights)
+    return _split_by_weights(total, weights)
 
 
 def _check_weights(weights: Sequence[float]) -> None:
     if not weights or any(w <= 0 for w in weights):
         raise ValueError(f"throughput weights {tuple(weights)} must all be > 0")
-
-
-def ranges_of(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    out, start = [], 0
-    for count in counts:
-        out.append((start, start + count))
-        start += count
-    return tuple(out)
 
 
 def head_chunks(start: int, stop: int, chunk_heads: int) -> tuple[tuple[int, int], ...]:
@@ -74,32 +67,31 @@ ALLOW_SHARED_GPU = False
 
 
 @dataclass(frozen=True)
-class SequenceSplit:
-    """Devices (root first), their throughput weights, heads per device, chunking of heads."""
+class SequenceSplit(DeviceSplit):
+    """Devices (root first) and their heads (`common.split.DeviceSplit`), their throughput
+    weights for the rows, the chunking of heads."""
 
-    devices: tuple[torch.device, ...]
-    row_weights: tuple[float, ...]
-    head_counts: tuple[int, ...]
+    row_weights: tuple[float, ...] = ()
     chunk_heads: int = DEFAULT_CHUNK_HEADS
     min_rows: int | None = None  # None: EXACT_MIN_ROWS_GPU on GPUs, _CPU on CPU stand-ins
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         n = len(self.devices)
-        if n < 2:
-            raise ValueError("sequence parallel needs the root and at least one helper device")
-        if len(self.row_weights) != n or len(self.head_counts) != n:
+        if len(self.row_weights) != n:
             raise ValueError(f"{n} devices need {n} row weights and {n} head counts, got "
                              f"{self.row_weights} and {self.head_counts}")
-        if any(c < 1 for c in self.head_counts):
-            raise ValueError(f"head split {self.head_counts} gives a device no heads; every "
-                             "device needs at least one head (use fewer GPUs)")
         if any(w <= 0 for w in self.row_weights):
             raise ValueError(f"row weights {self.row_weights} must all be > 0")
         if self.chunk_heads < 1:
             raise ValueError(f"chunk_heads={self.chunk_heads} must be >= 1")
-        real = [d for d in self.devices if d.type != "cpu"]
-        if len(set(real)) != len(real) and not ALLOW_SHARED_GPU:
-            raise ValueError(f"the device list names a GPU twice: {[str(d) for d in self.devices]}")
+
+    @property
+    def what(self) -> str:
+        return "sequence parallel"
+
+    def shared_gpu_allowed(self) -> bool:
+        return ALLOW_SHARED_GPU
 
     @classmethod
     def even(cls, devices: Sequence[torch.device], heads: int, **kwargs) -> SequenceSplit:
@@ -107,25 +99,19 @@ class SequenceSplit:
         if heads % n:
             raise ValueError(f"{heads} heads do not divide over {n} GPUs; use a GPU count that "
                              f"divides {heads} (e.g. 2, 4, 7, 8 for H3's 56) or weights")
-        return cls(tuple(devices), (1.0,) * n, (heads // n,) * n, **kwargs)
+        return cls(devices=tuple(devices), head_counts=(heads // n,) * n,
+                   row_weights=(1.0,) * n, **kwargs)
 
     @classmethod
     def weighted(cls, devices: Sequence[torch.device], heads: int, weights: Sequence[float],
                  **kwargs) -> SequenceSplit:
         """Rows and heads both in proportion to `weights` (each device at least one head)."""
         _check_weights(weights)
-        counts = shares.heads_by_weights(heads, weights)
-        return cls(tuple(devices), tuple(float(w) for w in weights), counts, **kwargs)
+        counts = heads_by_weights(heads, weights)
+        return cls(devices=tuple(devices), head_counts=counts,
+                   row_weights=tuple(float(w) for w in weights), **kwargs)
 
     # ------------------------------------------------------------------ derived
-    @property
-    def heads(self) -> int:
-        return sum(self.head_counts)
-
-    @property
-    def root(self) -> torch.device:
-        return self.devices[0]
-
     @property
     def exact_min_rows(self) -> int:
         if self.min_rows is not None:
@@ -133,9 +119,6 @@ class SequenceSplit:
         if any(d.type == "cuda" for d in self.devices):
             return EXACT_MIN_ROWS_GPU
         return EXACT_MIN_ROWS_CPU
-
-    def head_ranges(self) -> tuple[tuple[int, int], ...]:
-        return ranges_of(self.head_counts)
 
     def chunk_heads_for(self, seq_len: int) -> int:
         """Heads per attention call at this length: `chunk_heads`, raised so every call keeps
@@ -173,7 +156,7 @@ class SequenceSplit:
             return None
         return (f"a device attends {fewest} head(s); on the CPU with {torch.get_num_threads()} "
                 f"threads a call needs >= {need} heads to give the whole call's bits "
-                "(dual_sage/exact_range.json)")
+                "(common/exact_range.json)")
 
     def refusal(self, seq_len: int, floor: int | None = 0, why: str = "",
                 base: int | None = None) -> str | None:

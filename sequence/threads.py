@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..comfy_seam import clones as comfy_clones
+from ..comfy_seam import interrupts
 from ..comfy_seam.devices import device_context
 
 DEFAULT_TIMEOUT_S = 600.0  # a helper's host side may stall on a weight upload or a cudaMalloc
@@ -73,7 +73,7 @@ class Exchange:
                     self._abort_locked(error)
                     raise error
                 self._cond.wait(min(POLL_S, deadline - now))
-                if comfy_clones.processing_interrupted():
+                if interrupts.processing_interrupted():
                     break
             else:
                 return self._values[key]
@@ -93,7 +93,7 @@ class Exchange:
         if self.error is not None:
             raise ExchangeAborted(f"another share failed: {self.error!r}")
         try:
-            comfy_clones.raise_if_interrupted()
+            interrupts.raise_if_interrupted()
         except BaseException as exc:  # ComfyUI's InterruptProcessingException is one
             self.abort(exc)
             raise

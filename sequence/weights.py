@@ -14,8 +14,8 @@ them, bound to the copy; adapter tensors stay where they are (a GPU root's adapt
 helper fail and the step fall back to one GPU: the status line names this binding).
 
 Two sources:
-- `replica`: one flat buffer per block on the helper (the `offload.weights` layout), filled from
-  the root's current tensors, wherever they live (root GPU, or the prefetcher's host arena).
+- `replica`: one flat buffer per block on the helper (the `common.block_weights` layout), filled
+  from the root's current tensors, wherever they live (root GPU, or the prefetcher's host arena).
 - `stream`: K + 1 slots on the helper, filled on a copy stream K blocks ahead from a host copy:
   the prefetcher's pinned arena for the blocks it streams (both GPUs read the same host copy),
   and a host copy of our own for blocks resident on the root.
@@ -40,9 +40,9 @@ import torch
 
 from ..comfy_seam.devices import device_context
 from ..common.arena import HostArena, HostBuffer
+from ..common.block_weights import PLAIN, BlockWeights, device_wrapper, is_quantized, leaves_of
 from ..common.engine import make_engine
 from ..common.slots import SlotRing
-from ..offload.weights import PLAIN, BlockWeights, device_wrapper, is_quantized, leaves_of
 
 REPLICA = "replica"
 STREAM = "stream"

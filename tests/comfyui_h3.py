@@ -586,6 +586,24 @@ class AttentionCounter:
         return counted
 
 
+def negated_basic_attention():
+    """A startup flag's kernel whose output surely differs from the CPU default: ComfyUI's
+    basic attention with its result negated, wrapped as ComfyUI wraps its kernels.
+
+    Basic attention alone can equal the default bit for bit at the tests' sizes on some CPUs
+    (sub-quadratic and SDPA then round the same), so a test could not tell which kernel ran.
+    Negation flips signs only: a head share of it is exactly the same share of the whole, so
+    a sharded run still equals the kernel unpatched, and any call of another kernel shows."""
+    comfy = import_comfyui()
+    attention = comfy.ldm.modules.attention
+    basic = getattr(attention.attention_basic, "__wrapped__", attention.attention_basic)
+
+    def negated_basic(*args, **kwargs):
+        return -basic(*args, **kwargs)
+
+    return attention.wrap_attn(negated_basic)
+
+
 def preferred_attention_missing(patcher) -> str | None:
     """Why this ComfyUI's H3 has no per-module preferred attention, or None when it has one.
 
@@ -707,6 +725,48 @@ def kernels_row_and_head_independent(patcher, tokens: int, *, ffn_chunk: int, qk
     return all(torch.equal(func(q[:, a:b], k[:, a:b], v[:, a:b], b - a, mask=None,
                                 skip_reshape=True), whole[..., a * dim:b * dim])
                for a, b in groups)
+
+
+class RowByRowFunctional:
+    """torch.nn.functional with `linear` run on one row per call (`adapter_gemms_row_by_row`)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.nn.functional, name)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        self.calls += 1
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 0:
+            return torch.nn.functional.linear(x, weight, bias)
+        out = torch.cat([torch.nn.functional.linear(rows[i:i + 1], weight, bias)
+                         for i in range(rows.shape[0])])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@contextlib.contextmanager
+def adapter_gemms_row_by_row():
+    """ComfyUI's LoRA adapter (`comfy.weight_adapter.lora`, its bypass `h`: F.linear down, then
+    up, in the activations' dtype) with each of its GEMMs called one row at a time, for every
+    run inside (unpatched and the pack's alike); everything else, ComfyUI's INT8 kernel
+    included, runs as it is. Upstream's adapter code runs unchanged: only the BLAS call sees one
+    row, so its reduction order cannot depend on the row count. What for: a CPU whose fp32
+    GEMM of a rank-4 output picks its kernel by M (seen: MKL, 2 threads, 1024->4: 17- and
+    25-row slices of a 50-row call differ in the last bit) makes no row split equal the whole
+    call, the pack's or any; pinned, the comparison still proves that the pack runs upstream's
+    modules on the right rows. Yields the stand-in (`calls`: its linear ran)."""
+    lora = importlib.import_module("comfy.weight_adapter.lora")
+    if getattr(lora, "F", None) is not torch.nn.functional:
+        raise ComfyUIUnavailable("comfy.weight_adapter.lora does not call torch.nn.functional "
+                                 "as F here: its adapter GEMMs cannot be pinned")
+    pinned = RowByRowFunctional()
+    lora.F = pinned
+    try:
+        yield pinned
+    finally:
+        lora.F = torch.nn.functional
 
 
 def checksum(*tensors: torch.Tensor) -> float:

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def two_cpu_threads():
     """Two CPU threads, as ComfyUI runs on a CPU: the exactness rules (row floors, heads per
-    call, `dual_sage/exactness.py`: a head subset needs 2 heads then) are measured with them."""
+    call, `common/exactness.py`: a head subset needs 2 heads then) are measured with them."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

@@ -13,10 +13,10 @@ import pytest
 import torch
 from twin import TwinPatcher
 
+from h3_multigpu.comfy_seam.interrupts import is_interrupt, raise_if_interrupted
 from h3_multigpu.comfy_seam.names import GUARD_KEY
 from h3_multigpu.guard import oom
 from h3_multigpu.guard.device import guard_diffusion_model
-from h3_multigpu.guard.interrupt import check_interrupt, is_interrupt
 from h3_multigpu.planner import PlanRequest, plan_job
 from h3_multigpu.planner import host as host_mod
 from h3_multigpu.planner.hardware import GiB, get_profile
@@ -192,10 +192,10 @@ def fake_comfy(monkeypatch):
 
 
 def test_check_interrupt_follows_comfyuis_flag(fake_comfy):
-    check_interrupt()
+    raise_if_interrupted()
     fake_comfy["flag"] = True
     with pytest.raises(InterruptProcessingException) as caught:
-        check_interrupt()
+        raise_if_interrupted()
     assert is_interrupt(caught.value) and not fake_comfy["flag"]
     assert not is_interrupt(RuntimeError("x"))
 

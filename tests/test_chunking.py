@@ -213,7 +213,7 @@ def test_a_chunk_written_to_the_wrong_rows_is_caught(bf16_twin, bf16_inputs, mon
 
 
 def test_clip_segments_rebases_and_slices_token_rows():
-    from h3_multigpu.sequence.runner import clip_segments
+    from h3_multigpu.sequence.plan import clip_segments
 
     rows = torch.arange(20, 30)
     segments = [(0, 4, 1), (4, 14, rows), (14, 20, 2)]

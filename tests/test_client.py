@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from fake_comfy_server import FakeComfyServer, Scenario
 
+from h3_multigpu.cli import main as cli_main
 from h3_multigpu.client import (
     ComfyClient,
     ExecutionFailed,
@@ -19,7 +20,6 @@ from h3_multigpu.client import (
     WorkflowError,
     submit,
 )
-from h3_multigpu.client.cli import main as cli_main
 
 
 def h3_graph(steps: int = 3) -> dict:

@@ -1,8 +1,11 @@
 """The seam owns every ComfyUI name: no other module spells one; install / remove / describe.
 
-The grep test reads the package's own source (not tests/, dev/bench/, dev/tools/ or the twin, which
-stands in for ComfyUI) and fails on a ComfyUI hook call, key, wrapper type or import outside
-`comfy_seam/`. Docstrings and comments may name them (they say what is used where).
+Two tests read the package's own source (not tests/, dev/, docs/, workflows/ or the twin, which
+stands in for ComfyUI). The allow-list test parses every product module outside `comfy_seam/`:
+it imports nothing of ComfyUI (nor looks a ComfyUI module up by name) beyond the allowed
+public APIs, and names no model-management or patcher function that `internals` lists. The
+grep test fails on a ComfyUI hook call, key or wrapper type outside `comfy_seam/`. Docstrings
+and comments may name them (they say what is used where).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 import torch
 from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
-from h3_multigpu.comfy_seam import names, protocol
+from h3_multigpu.comfy_seam import internals, names, protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_PRODUCT = {"tests", "dev", "comfy_seam", "workflows", "docs", "venv",
@@ -34,7 +37,6 @@ TOKENS = (
         "set_attachments", "WrappersMP", "CallbacksMP", "args[3]", "model.size", "._apply",
         "set_model_optimized_attention", "model_options")),
     ("object_patches", r"(?<!protocol)\.object_patches"),
-    ("comfy import", r"\b(?:import|from) comfy(?:\.|\b(?!_))"),
     *((f'"{v}"', re.escape(f'"{v}"')) for v in (
         names.OVERRIDE_KEY, names.PATCHES_REPLACE, names.DOUBLE_BLOCK,
         names.PREFETCH_DYNAMIC_VBARS, names.TRANSFORMER_OPTIONS, names.SEAM_KEY,
@@ -43,11 +45,9 @@ TOKENS = (
         names.PREPARE_SAMPLING, names.ON_LOAD, names.ON_DETACH, names.ON_CLEANUP,
         names.ON_APPLY_HOOKS)),
     (f'["{names.STATUS_KEY}"]', re.escape(f'["{names.STATUS_KEY}"]')),
-    # a ComfyUI module looked up without importing it (comfy_seam.runtime's loaded_* do that)
-    ("sys.modules lookup of comfy", r"""sys\s*\.\s*modules\s*(?:\.\s*get\s*\(|\[)\s*f?["']comfy"""),
 )
-# (ComfyUI's public node API, comfy_api.latest, is what a node pack is made of: allowed. The
-# "dit" patch group is not searched for: the planner names its DiT component "dit".)
+# (Imports and module look-ups are the allow-list's: `comfyui_uses`. The "dit" patch group is
+# not searched for: the planner names its DiT component "dit".)
 
 
 def _in_checkout(parts: tuple[str, ...]) -> bool:
@@ -100,6 +100,188 @@ def test_no_module_outside_the_seam_names_a_comfyui_internal():
     assert not found, "ComfyUI names outside comfy_seam/:\n" + "\n".join(found)
 
 
+# ---------------------------------------------------------------------- the allow-list
+# ComfyUI's top-level modules (and every comfy* one: comfy, comfy_extras, comfy_execution,
+# comfy_api, comfy_kitchen, ...): a product module outside comfy_seam/ imports none of them
+COMFYUI_MODULES = ("nodes", "folder_paths", "node_helpers", "execution", "server")
+# the only exceptions, {where (a folder/ or a file): allowed module prefixes}
+ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
+    "nodes/": ("comfy_api.latest",),  # ComfyUI's public node API: what a node pack is made of
+    "__init__.py": ("comfy_api.latest",),  # the entry point asks whether ComfyUI serves V3 nodes
+    # the pack's own use of the comfy-kitchen library: its int8 attention is one of the pack's
+    # attention backends (kernels/backends.py `ck_int8`), called with tensors, not a ComfyUI
+    # internal (ComfyUI's own use of comfy-kitchen is read in the seam: h3.weight_format)
+    "kernels/": ("comfy_kitchen",),
+}
+# what model management and the patcher offer, from the modules `internals` lists them in, so
+# the list cannot drift from what the seam calls: every attribute on the path of an entry
+CALLED_MODULES = (internals.MM, "comfy.model_patcher", "comfy.utils", "comfy.quant_ops",
+                  "comfy.model_base", "comfy.memory_management", "nodes", "folder_paths",
+                  "node_helpers")
+# the public patcher API every feature uses on the MODEL it is given (and torch's Tensor.clone):
+# `clone()` before it installs, `get_model_object("diffusion_model")` to reach the DiT
+PUBLIC_PATCHER_API = {"clone", "get_model_object"}
+COMFYUI_CALLS = frozenset(
+    part for entry in internals.INTERNALS if entry.kind != "source"
+    and entry.target.partition(":")[0] in CALLED_MODULES
+    for part in entry.target.partition(":")[2].split(".") if part) - PUBLIC_PATCHER_API
+# calls that import or look a module up by a name given as text
+_DYNAMIC_IMPORTS = {"import_module", "__import__", "find_spec", "find_module"}
+# calls that reach an attribute by a name given as text
+_BY_NAME = {"getattr", "hasattr", "setattr", "delattr"}
+# guard.oom's owner switches its soft_empty_cache to comfy_seam.models.empty_cache (issue 28)
+PENDING_CALLS: dict[str, set[str]] = {"guard/oom.py": {"soft_empty_cache"}}
+
+
+def _is_comfyui(module: str) -> bool:
+    top = module.split(".")[0]
+    return top.startswith("comfy") or top in COMFYUI_MODULES
+
+
+def _allowed(rel: str, module: str) -> bool:
+    return any((rel.startswith(where) if where.endswith("/") else rel == where)
+               and (module == prefix or module.startswith(prefix + "."))
+               for where, prefixes in ALLOWED_IMPORTS.items() for prefix in prefixes)
+
+
+def _leading_text(node: ast.AST) -> str | None:
+    """The text a module name starts with: a constant, or an f-string's first constant part."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0],
+                                                                      ast.Constant):
+        return str(node.values[0].value)
+    return None
+
+
+def _is_sys_modules(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "modules" and isinstance(
+        node.value, ast.Name) and node.value.id == "sys"
+
+
+def _seam_names(tree: ast.Module) -> set[str]:
+    """Names this module binds to the seam's modules and functions (`from ..comfy_seam import
+    memory`, `from ..comfy_seam.memory import is_dynamic`): calling those is the point."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            seam = (node.level > 0 and module.split(".")[0] == "comfy_seam") or \
+                module.startswith("h3_multigpu.comfy_seam")
+            if seam:
+                bound |= {a.asname or a.name for a in node.names}
+    return bound
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def comfyui_uses(rel: str, source: str) -> list[str]:
+    """What a product module outside the seam imports of ComfyUI, looks up by name, or calls
+    of model management and the patcher, each as "line: what"."""
+    tree = ast.parse(source)
+    seam = _seam_names(tree)
+    pending = PENDING_CALLS.get(rel, set())
+    found = []
+
+    def module_named(node: ast.AST, how: str) -> None:
+        text = _leading_text(node)
+        if text is not None and _is_comfyui(text) and not _allowed(rel, text):
+            found.append(f"{node.lineno}: {how} {text!r}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names
+                      if _is_comfyui(a.name) and not _allowed(rel, a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if _is_comfyui(node.module) and not _allowed(rel, node.module):
+                found.append(f"{node.lineno}: from {node.module} import")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in _DYNAMIC_IMPORTS and node.args:
+                module_named(node.args[0], f"{name}(")
+            if isinstance(func, ast.Attribute) and _is_sys_modules(func.value) and node.args:
+                module_named(node.args[0], f"sys.modules.{func.attr}(")
+            if name in _BY_NAME and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in COMFYUI_CALLS - pending:
+                found.append(f"{node.lineno}: {name}(..., {node.args[1].value!r})")
+        elif isinstance(node, ast.Subscript) and _is_sys_modules(node.value):
+            module_named(node.slice, "sys.modules[")
+        elif isinstance(node, ast.Compare) and any(_is_sys_modules(c) for c in node.comparators):
+            module_named(node.left, "in sys.modules:")
+        if isinstance(node, ast.Attribute) and node.attr in COMFYUI_CALLS - pending \
+                and _root_name(node) not in seam:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in COMFYUI_CALLS - pending \
+                and node.id not in seam:
+            found.append(f"{node.lineno}: {node.id}")
+    return found
+
+
+def test_no_module_outside_the_seam_imports_or_calls_comfyui():
+    """The allow-list: outside comfy_seam/, ComfyUI is reached through the seam's functions."""
+    files = product_files()
+    assert len(files) > 60 and any(p.name == "comfy_placement.py" for p in files)
+    assert {"load_models_gpu", "free_memory", "soft_empty_cache", "get_torch_device",
+            "deepclone_multigpu", "loaded_size", "register_load_device",
+            "throw_exception_if_processing_interrupted", "InterruptProcessingException",
+            "conditioning_set_values", "get_filename_list", "ProgressBar"} <= COMFYUI_CALLS
+    found = [f"{path.relative_to(ROOT)}:{use}" for path in files
+             for use in comfyui_uses(str(path.relative_to(ROOT)), path.read_text())]
+    assert not found, "ComfyUI reached outside comfy_seam/:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(("rel", "line"), [
+    ("decode/apply.py", "import comfy.model_management as mm"),
+    ("decode/apply.py", "from comfy_extras import nodes_multigpu"),
+    ("nodes/v3_upscale.py", "import folder_paths"),
+    ("nodes/v3_utils.py", "import node_helpers"),
+    ("nodes/v3_dropin.py", "import nodes"),
+    ("guard/device.py", "import execution, server"),
+    ("offload/apply.py", "from comfy_execution.graph import x"),
+    ("kernels/backends.py", "from comfy_api.latest import io"),  # allowed in nodes/ only
+    ("nodes/placement.py", "import comfy_kitchen"),  # allowed in kernels/ only
+    ("chunking/apply.py", "m = importlib.import_module('comfy.utils')"),
+    ("chunking/apply.py", "m = __import__('folder_paths')"),
+    ("chunking/apply.py", "m = sys.modules.get('comfy.model_management')"),
+    ("chunking/apply.py", "m = sys.modules[f'comfy.{name}']"),
+    ("chunking/apply.py", "ok = 'nodes' in sys.modules"),
+    ("decode/apply.py", "mm.load_models_gpu([patcher])"),
+    ("nodes/comfy_placement.py", "clone = patcher.deepclone_multigpu(new_load_device=d)"),
+    ("nodes/comfy_placement.py", "register = getattr(clone, 'register_load_device', None)"),
+    ("decode/apply.py", "free_memory(1 << 30, device)"),
+    ("decode/apply.py", "progress = utils.ProgressBar(4)"),
+    ("sequence/threads.py", "caught = (mm.InterruptProcessingException,)"),
+    ("guard/oom.py", "mm.free_memory(1, d)"),  # pending lets soft_empty_cache only
+])
+def test_the_allow_list_trips(rel, line):
+    """Each way of reaching ComfyUI outside the seam is caught, in the module it would sit in."""
+    path = ROOT / rel
+    source = path.read_text() + "\n\n" + f"def _scratch():\n    {line}\n"
+    assert comfyui_uses(rel, path.read_text()) == [], rel  # the module is clean as it is
+    assert comfyui_uses(rel, source), f"{rel}: {line!r} not caught"
+
+
+def test_the_allow_list_lets_the_seam_and_the_public_apis_through():
+    fine = ('"""Calls load_models_gpu and imports comfy.utils (a docstring)."""\n'
+            "from comfy_api.latest import io\n"
+            "from ..comfy_seam import models\n"
+            "from ..comfy_seam.memory import is_dynamic\n"
+            "from .nodes import x\n"
+            "from . import server\n"
+            "def f(p, t):\n"
+            "    models.load([p])\n"
+            "    t = t.clone()\n"
+            "    m = importlib.import_module('.sharded', __package__)\n"
+            "    return is_dynamic(p), p.get_model_object('diffusion_model')\n")
+    assert comfyui_uses("nodes/v3_upscale.py", fine) == []
+    assert comfyui_uses("decode/apply.py", fine) == ["2: from comfy_api.latest import"]
+
+
 def test_the_grep_finds_what_it_is_for(tmp_path):
     """A module that calls the patcher API itself is caught; its docstring is not."""
     bad = tmp_path / "bad.py"
@@ -114,8 +296,6 @@ def test_the_grep_finds_what_it_is_for(tmp_path):
     fine.write_text('"""Mentions add_object_patch and "optimized_attention_override"."""\n'
                     'import comfy_kitchen\nfrom comfy_api.latest import io\n')
     assert not any(re.search(pattern, code_text(fine)) for _, pattern in TOKENS)
-    assert re.search(dict(TOKENS)["comfy import"], "import comfy.utils")
-    assert re.search(dict(TOKENS)["comfy import"], "from comfy.ops import x")
 
 
 def test_chunking_restates_no_block_math():
@@ -251,3 +431,70 @@ def test_features_describe_what_they_installed_and_remove_cleanly(twin):
     assert protocol.override_of(bare) is None and not protocol.block_patches(bare)
     assert not bare.object_patches
     assert [e.feature for e in protocol.installed(bare)] == ["guard", "oom"]
+
+
+# ---------------------------------------------------------------------- the seam's functions
+def test_root_device_is_the_load_device_and_a_bare_cuda_the_current_one(monkeypatch):
+    from types import SimpleNamespace
+
+    from h3_multigpu.comfy_seam.devices import root_device
+
+    assert root_device(SimpleNamespace(load_device="cpu")) == torch.device("cpu")
+    assert root_device(SimpleNamespace(load_device=torch.device("cuda", 1))) == \
+        torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert root_device(SimpleNamespace(load_device="cuda")) == torch.device("cuda", 3)
+
+
+def test_one_model_management_accessor_never_imports_comfyui_unless_asked(monkeypatch):
+    import sys
+    import types
+
+    from h3_multigpu.comfy_seam import interrupts, runtime
+
+    monkeypatch.delitem(sys.modules, "comfy.model_management", raising=False)
+    assert runtime.model_management() is None and "comfy.model_management" not in sys.modules
+    assert not interrupts.processing_interrupted()
+    interrupts.raise_if_interrupted()  # nothing to raise outside ComfyUI
+    mm = types.ModuleType("comfy.model_management")
+    mm.processing_interrupted = lambda: True
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    assert runtime.model_management() is mm and runtime.model_management(importing=True) is mm
+    assert interrupts.processing_interrupted()
+
+
+def test_the_clone_path_names_what_is_missing_and_falls_back_in_the_seam():
+    from types import SimpleNamespace
+
+    from h3_multigpu.comfy_seam import clones
+    from h3_multigpu.decode.replica import CloneMissing, comfy_clone
+
+    class Patcher(SimpleNamespace):
+        def clone(self):
+            return Patcher(**vars(self))
+
+    class Clonable(Patcher):
+        def deepclone_multigpu(self, new_load_device=None):
+            if self.cached_patcher_init is None:
+                raise RuntimeError("Cannot create multigpu deepclone")
+            registered = []
+            return Patcher(load_device=new_load_device, registered=registered,
+                           register_load_device=registered.append)
+
+    gpu1 = torch.device("cuda", 1)
+    bare, no_factory = Patcher(load_device="cpu"), Clonable(load_device="cpu",
+                                                             cached_patcher_init=None)
+    assert clones.clone_gap(bare) == clones.NO_CLONES
+    assert clones.clone_gap(no_factory) == clones.NO_FACTORY
+    with pytest.raises(CloneMissing, match="no ModelPatcher.deepclone_multigpu"):
+        comfy_clone(bare, gpu1)
+    with pytest.raises(CloneMissing, match="registered no reload factory"):
+        comfy_clone(no_factory, gpu1)
+    made = comfy_clone(Clonable(load_device="cpu", cached_patcher_init=(print, ())), gpu1)
+    assert made.load_device == gpu1 and made.registered == [gpu1]  # DynamicVRAM's pins
+    placed, how = clones.retarget(no_factory, gpu1)
+    assert placed.load_device == gpu1 and no_factory.load_device == "cpu"
+    assert how == "load_device set on a clone (deepclone_multigpu refused (Cannot create " \
+                  "multigpu deepclone))"
+    assert clones.retarget(bare, gpu1)[1] == ("load_device set on a clone (this ComfyUI has no "
+                                              "deepclone_multigpu)")

@@ -117,15 +117,17 @@ def test_attention_counter_sees_overrides():
 
 def test_the_startup_flags_kernel_is_what_h3_calls():
     """Every release: H3 calls the `optimized_attention` ComfyUI picked at startup (a flag's
-    kernel here: basic attention, whose bits differ from the CPU default, sub-quadratic), and
-    an override is handed that kernel as `func`. Only a release with per-module preferred
-    attention passes `preferred_attention=` (0.33.0 does not)."""
-    comfy = import_comfyui_or_skip()
+    kernel here: negated basic attention, whose output differs from the CPU default on any
+    CPU), and an override is handed that kernel as `func`. Only a release with per-module
+    preferred attention passes `preferred_attention=` (0.33.0 does not)."""
+    from comfyui_h3 import negated_basic_attention
+
+    import_comfyui_or_skip()
     config = CONFIGS[0]
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config)
     default = run_like_sampler(patcher, inputs)
-    basic = comfy.ldm.modules.attention.attention_basic
+    basic = negated_basic_attention()
     seen = []
 
     def override(func, *args, **kwargs):

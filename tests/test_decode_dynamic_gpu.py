@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from h3_multigpu.decode import core
+from h3_multigpu.comfy_seam.memory import is_dynamic
 from h3_multigpu.decode.apply import (
     Helper,
     MultiGPUDecode,
@@ -32,7 +32,7 @@ from h3_multigpu.decode.apply import (
     find_patch,
     install,
 )
-from h3_multigpu.decode.replica import check_replicable
+from h3_multigpu.decode.replica import CloneMissing, check_replicable, comfy_clone
 
 pytestmark = pytest.mark.comfyui
 
@@ -69,7 +69,7 @@ def dynamic(tmp_path_factory):
     write_video_vae(folder / VAE_NAME, "fp16", device="cuda")  # the full-size file, 5 GB
     folder_paths.add_model_folder_path("vae", str(folder))
     (vae,) = nodes.VAELoader().load_vae(VAE_NAME)  # ComfyUI's own Load VAE node
-    assert core.is_dynamic(vae.patcher), type(vae.patcher).__name__
+    assert is_dynamic(vae.patcher), type(vae.patcher).__name__
     return vae
 
 
@@ -93,8 +93,8 @@ def test_dynamic_vram_helper_is_comfys_clone_and_the_decode_is_bit_identical(dyn
         expected = vae.decode(z)
     root = vae.first_stage_model
     assert check_replicable(root) is not None  # loaded under DynamicVRAM: never copied
-    helper = Helper(gpu, core.multi_gpu_clone(vae.patcher, gpu))
-    assert core.is_dynamic(helper.patcher) and helper.patcher.model is not root
+    helper = Helper(gpu, comfy_clone(vae.patcher, gpu))
+    assert is_dynamic(helper.patcher) and helper.patcher.model is not root
     patch = MultiGPUDecode(root, MultiGPUDecodeConfig(helpers=("cuda:0",)), [helper],
                            vae.memory_used_decode)
     patched = install(vae, patch)
@@ -125,8 +125,8 @@ def test_dynamic_vram_without_a_reload_factory_says_why(dynamic):
     factory = dynamic.patcher.cached_patcher_init
     dynamic.patcher.cached_patcher_init = None
     try:
-        with pytest.raises(core.CoreMissing, match="registered no reload factory"):
-            core.multi_gpu_clone(dynamic.patcher, torch.device("cuda", 0))
+        with pytest.raises(CloneMissing, match="registered no reload factory"):
+            comfy_clone(dynamic.patcher, torch.device("cuda", 0))
     finally:
         dynamic.patcher.cached_patcher_init = factory
 

@@ -13,6 +13,7 @@ from twin import AttentionTensorContainer, TwinPatcher
 
 from h3_multigpu import chunking
 from h3_multigpu.common.devices import parse_devices
+from h3_multigpu.common.exactness import ExactRange, derive_per_sm
 from h3_multigpu.dual_sage import (
     DualSageConfig,
     ShardedAttention,
@@ -23,7 +24,6 @@ from h3_multigpu.dual_sage import (
     split_weighted,
 )
 from h3_multigpu.dual_sage import sharded as sharded_module
-from h3_multigpu.dual_sage.exactness import ExactRange, derive_per_sm
 from h3_multigpu.kernels import AttentionBackend, Constraints, mark_unavailable
 from h3_multigpu.kernels import register as register_backend
 

@@ -4,7 +4,7 @@
 
 CPU: helper "devices" are the CPU (streams are no-ops), ComfyUI's default attention is its
 sub-quadratic kernel, two threads (where a head subset needs 2 heads to keep the whole call's
-bits: `dual_sage/exactness.py`). Models: fp32 and INT8 ConvRot (the official DiT format, bf16
+bits: `common/exactness.py`). Models: fp32 and INT8 ConvRot (the official DiT format, bf16
 config) tiny checkpoints loaded by ComfyUI's loader. `multi_gpu`: root cuda:1, helper cuda:0,
 bf16, 56 heads of 128, ComfyUI's SDPA with its backend priority. Every case compares with
 ComfyUI's own unpatched output and counts that the feature ran (split calls, the functions
@@ -92,17 +92,20 @@ def test_equals_unpatched_with_comfyuis_default_attention(weights):
 
 def test_the_startup_flags_kernel_is_what_gets_sharded():
     """What every release runs when nothing prefers another function (0.33.0 always): the
-    kernel ComfyUI's flags made `optimized_attention` (basic attention here, whose bits differ
-    from the CPU default), sharded per head subset, equal to that kernel unpatched."""
-    comfy = import_comfyui_or_skip()
+    kernel ComfyUI's flags made `optimized_attention` (negated basic attention here, whose
+    output differs from the CPU default on any CPU), sharded per head subset, equal to that
+    kernel unpatched."""
+    from comfyui_h3 import negated_basic_attention
+
+    import_comfyui_or_skip()
     patcher = make_tiny_h3(CONFIG, seed=0)
     inputs = make_inputs(CONFIG, keyframe=True, audio_mask=True)
-    basic = comfy.ldm.modules.attention.attention_basic
+    flagged = negated_basic_attention()
     default = run_like_sampler(patcher, inputs)
-    with AttentionCounter(kernel=basic) as plain_calls:
+    with AttentionCounter(kernel=flagged) as plain_calls:
         plain = run_like_sampler(patcher, inputs)
     patched = dual(patcher)
-    with AttentionCounter(kernel=basic) as calls:
+    with AttentionCounter(kernel=flagged) as calls:
         out = run_like_sampler(patched, inputs)
     assert not same(plain, default) and same(out, plain)
     assert plain_calls.default == CONFIG.refiner_blocks + CONFIG.blocks
@@ -111,13 +114,15 @@ def test_the_startup_flags_kernel_is_what_gets_sharded():
 
 
 def test_the_checkpoints_preferred_attention_is_what_gets_sharded():
-    comfy = import_comfyui_or_skip()
+    from comfyui_h3 import negated_basic_attention
+
+    import_comfyui_or_skip()
     patcher = make_tiny_h3(CONFIG, seed=0)
     missing = preferred_attention_missing(patcher)
     if missing:
         pytest.skip(missing)
     inputs = make_inputs(CONFIG, keyframe=True, audio_mask=True)
-    basic = comfy.ldm.modules.attention.attention_basic  # differs from sub-quad in the bits
+    basic = negated_basic_attention()  # its output differs from the default's on any CPU
     default = run_like_sampler(patcher, inputs)
     with AttentionCounter() as plain_calls:
         set_preferred_attention(patcher, plain_calls.count_preferred(basic))

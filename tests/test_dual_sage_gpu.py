@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
+from h3_multigpu.common.exactness import ExactRange
 from h3_multigpu.dual_sage import (
     DualSageConfig,
-    ExactRange,
     ShardedAttention,
     ShardPlan,
     TransportMode,

@@ -21,8 +21,8 @@ from fake_comfy_server import OBJECT_INFO, FakeComfyServer
 from test_client_workflow import ui_workflow
 from test_workflows import WORKFLOWS, served_with_files
 
+from h3_multigpu.cli import main as cli_main
 from h3_multigpu.client import WorkflowError, prepare
-from h3_multigpu.client.cli import main as cli_main
 
 INFO = served_with_files()
 UI = json.loads((WORKFLOWS / "h3_multigpu_two_pass_t2v.json").read_text())

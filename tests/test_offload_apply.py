@@ -6,8 +6,8 @@ import pytest
 import torch
 from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
+from h3_multigpu.common.block_weights import module_bytes
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
-from h3_multigpu.offload.weights import module_bytes
 
 
 def _twin6():

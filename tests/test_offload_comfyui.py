@@ -26,8 +26,8 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu.common.arena import HostArena, live_host_bytes
+from h3_multigpu.common.block_weights import leaves_of
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
-from h3_multigpu.offload.weights import leaves_of
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 

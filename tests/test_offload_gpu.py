@@ -10,8 +10,8 @@ import pytest
 import torch
 from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
+from h3_multigpu.common.block_weights import module_bytes
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch, sizing
-from h3_multigpu.offload.weights import module_bytes
 
 # wide enough that weights dominate memory, small enough to build in a second
 MEDIUM = TwinConfig.tiny(hidden=1024, heads=8, head_dim=128, ffn=2816, blocks=12,

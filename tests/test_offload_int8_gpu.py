@@ -16,8 +16,8 @@ import torch
 from comfyui_h3 import TinyH3Config, make_inputs, make_tiny_h3, run_like_sampler, unload_all
 
 from h3_multigpu.comfy_seam.memory import free_vram_bytes
+from h3_multigpu.common.block_weights import is_quantized
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
-from h3_multigpu.offload.weights import is_quantized
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.usefixtures("fresh_comfyui")]
 

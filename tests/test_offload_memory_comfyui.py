@@ -25,6 +25,7 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu.comfy_seam import memory as comfy_memory
+from h3_multigpu.common.block_weights import module_bytes
 from h3_multigpu.offload import (
     PrefetchConfig,
     apply_block_prefetch,
@@ -32,7 +33,6 @@ from h3_multigpu.offload import (
     sizing,
 )
 from h3_multigpu.offload.streamer import BlockStreamer, Source
-from h3_multigpu.offload.weights import module_bytes
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 
@@ -110,7 +110,7 @@ def test_free_vram_is_comfyuis_count_with_dynamic_vram_evictable_memory(free_mem
 def test_chunking_sequence_and_prefetch_ask_comfyui(free_memory, monkeypatch):
     """Every free-memory decision of the pack goes through ComfyUI's query."""
     from h3_multigpu.chunking.wrappers import free_device_bytes
-    from h3_multigpu.sequence.apply import _free_bytes
+    from h3_multigpu.sequence.helpers import _free_bytes
 
     base = make_tiny_h3(TinyH3Config(blocks=6), seed=0)
     dynamic_vram_on(monkeypatch)

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 from comfy_kitchen.tensor.base import QuantizedTensor
 
+from h3_multigpu.common.block_weights import BlockWeights
 from h3_multigpu.offload.streamer import BlockStreamer, Source
-from h3_multigpu.offload.weights import BlockWeights
 
 META = torch.device("meta")
 

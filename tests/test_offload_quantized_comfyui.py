@@ -17,9 +17,9 @@ import pytest
 import torch
 from comfyui_h3 import TinyH3Config, make_inputs, make_tiny_h3, run_like_sampler
 
+from h3_multigpu.common.block_weights import is_quantized
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
 from h3_multigpu.offload.streamer import BlockStreamer, Source
-from h3_multigpu.offload.weights import is_quantized
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui")]
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from twin import TwinConfig, make_twin
 
+from h3_multigpu.common.block_weights import BlockLayout, module_bytes
 from h3_multigpu.offload import policy, sizing
-from h3_multigpu.offload.weights import BlockLayout, module_bytes
 
 
 def test_sizing_module_imports_no_torch():

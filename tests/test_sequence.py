@@ -6,7 +6,7 @@ helpers) bit for bit against the plain single-device forward. They run with two 
 ComfyUI does on a CPU: CPU BLAS then takes other paths for a few rows (fp32 slices of up to 11
 rows differed, measured), so every row share and chunk here keeps >= 16 rows, and a 1-head
 attention call differs from the whole call, so every device attends >= 2 heads per call
-(`dual_sage/exact_range.json` "cpu"; the split raises its chunks to that and refuses fewer).
+(`common/exact_range.json` "cpu"; the split raises its chunks to that and refuses fewer).
 The exactness claim on GPUs is the `multi_gpu` tests' job.
 """
 
@@ -29,6 +29,7 @@ from h3_multigpu.sequence import (
     get_sequence_parallel,
 )
 from h3_multigpu.sequence import runner as runner_module
+from h3_multigpu.sequence.plan import block_args, positional
 from h3_multigpu.sequence.weights import REPLICA, STREAM, HelperWeights
 
 CPU = torch.device("cpu")
@@ -167,7 +168,7 @@ def test_per_token_modulation_rows_and_segments_are_remapped():
         runner = SequenceRunner(split, runner_module.TransportMode.PEER)
         helpers = [_replica(block) for _ in range(1, len(weights))]
         h = x.clone()
-        state = runner.scatter(h, t_emb, rope, segments)
+        state = runner.scatter(block_args(h, t_emb, segments, rope))
         # the per-token rows were cut at every share boundary and each share re-based to 0
         for share in state.shares:
             assert share.segments[0][0] == 0 and share.segments[-1][1] == share.rows
@@ -188,13 +189,13 @@ def _replica(block):
 
 def block_calls(block, helpers):
     """Share calls for `SequenceRunner.run_block`: the root's block, then each helper's copy."""
-    def root(x, t_emb, segments, rope, options):
-        return block(x, t_emb, segments, rope, transformer_options=options)
+    def root(args, options):
+        return block(*positional(args), transformer_options=options)
 
     def helper(weights):
-        def call(x, t_emb, segments, rope, options):
+        def call(args, options):
             with weights.use(0) as module:
-                return module(x, t_emb, segments, rope, transformer_options=options)
+                return module(*positional(args), transformer_options=options)
         return call
 
     return [root] + [helper(w) for w in helpers]

@@ -33,7 +33,8 @@ from h3_multigpu.sequence import (
     apply_sequence_parallel,
     get_sequence_parallel,
 )
-from h3_multigpu.sequence import apply as sequence_apply
+from h3_multigpu.sequence import patches as sequence_patches
+from h3_multigpu.sequence import status as sequence_status
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu]
 
@@ -98,7 +99,8 @@ def _same_gpu_split(patcher, monkeypatch):
     """The helper share on a second ComfyUI clone on the root's own GPU (plumbing only)."""
     from h3_multigpu.sequence import split as sequence_split
 
-    monkeypatch.setattr(sequence_apply, "resolve_devices", lambda root, helpers: [root, root])
+    monkeypatch.setattr(sequence_patches.policy, "resolve_devices",
+                        lambda root, helpers, visible: [root, root])
     monkeypatch.setattr(sequence_split, "ALLOW_SHARED_GPU", True)
     return apply_sequence_parallel(patcher, SequenceParallelConfig(parallel="sequence"))
 
@@ -111,7 +113,7 @@ def _check(split, lora, inputs):
     assert mode.steps["sequence"] == 1 and mode.steps["fallback"] == 0, mode.steps
     assert mode.blocks_run == CONFIG.blocks and len(mode.bases) == 1
     line = split.model_options["transformer_options"]["h3_multigpu"]["sequence"]
-    assert sequence_apply.COMFY_CLONES in line, line
+    assert sequence_status.COMFY_CLONES in line, line
     return mode
 
 

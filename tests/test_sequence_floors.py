@@ -28,8 +28,8 @@ from h3_multigpu.sequence import (
     apply_sequence_parallel,
     get_sequence_parallel,
 )
-from h3_multigpu.sequence import apply as sequence_apply
 from h3_multigpu.sequence import runner as runner_module
+from h3_multigpu.sequence import status as sequence_status
 from h3_multigpu.sequence import threads as threads_module
 
 RANK = 4
@@ -52,7 +52,7 @@ def fake_floors(monkeypatch):
     monkeypatch.setattr(exact_rows, "table_for",
                         lambda device, dtype: table if (device, dtype) == ("cpu",
                                                                            "float32") else None)
-    monkeypatch.setattr(sequence_apply, "_warned", set())
+    monkeypatch.setattr(sequence_status, "_warned", set())
     return floors
 
 
@@ -94,7 +94,7 @@ def test_shares_below_a_floor_fall_back_and_say_why(fake_floors, lora_twin, tiny
     fake_floors["96->4"] = fc2_down
     model, reference = lora_twin
     patched = _split(model)
-    caplog.set_level(logging.WARNING, logger="h3_multigpu.sequence.apply")
+    caplog.set_level(logging.WARNING, logger="h3_multigpu.sequence.status")
     for _ in range(2):
         assert _same(patched.apply_model(*tiny_inputs), reference)
     mode = get_sequence_parallel(patched)
@@ -144,7 +144,7 @@ def test_release_drops_every_tensor_the_split_steps_made(monkeypatch, tiny_twin,
             return original(self, func, q, k, v, g, kwargs)
 
         monkeypatch.setattr(runner_module.ShareAttention, "_attend", failing)
-        monkeypatch.setattr(sequence_apply, "_warned", set())  # other tests' warnings stay
+        monkeypatch.setattr(sequence_status, "_warned", set())  # other tests' warnings stay
     patched = _split(tiny_twin)
     mode = get_sequence_parallel(patched)
     gc.collect()

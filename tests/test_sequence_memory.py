@@ -31,6 +31,7 @@ from h3_multigpu.sequence import SequenceRunner, SequenceSplit
 from h3_multigpu.sequence import runner as runner_module
 from h3_multigpu.sequence import sizing as sequence_sizing
 from h3_multigpu.sequence import threads as threads_module
+from h3_multigpu.sequence.plan import block_args
 from h3_multigpu.sequence.weights import REPLICA, HelperWeights
 
 # wide rows next to few heads, so the per-row terms the model counts dominate the small tensors
@@ -165,7 +166,7 @@ def test_each_device_allocates_what_the_model_counts(monkeypatch, weights, chunk
     monkeypatch.setattr(runner_module.ShareAttention, "_attend", _flash_like_attention(tracker))
     h = x.clone()  # the model's residual stream: the root's, before the block loop
     with tracker:
-        state = runner.scatter(h, t_emb, rope, segments)
+        state = runner.scatter(block_args(h, t_emb, segments, rope))
         runner.run_block(state, block_calls(block, list(helper_weights.values())), {},
                          [block] * len(devices))
         runner.gather(state)

@@ -28,8 +28,8 @@ from workflow_bed import (
 )
 
 from h3_multigpu import nodes
+from h3_multigpu.cli import main as cli_main
 from h3_multigpu.client import editor, ui_to_api
-from h3_multigpu.client.cli import main as cli_main
 from h3_multigpu.client.validate import check_prompt, review_prompt
 from h3_multigpu.common import geometry
 from h3_multigpu.nodes import inputs

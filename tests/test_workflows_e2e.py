@@ -38,8 +38,8 @@ from comfyui_harness import start_comfyui
 from e2e_models import TINY_TE_NODE
 from workflow_bed import tiny_png
 
+from h3_multigpu.cli import main as cli_main
 from h3_multigpu.client import ui_to_api
-from h3_multigpu.client.cli import main as cli_main
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
 

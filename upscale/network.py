@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..guard.interrupt import check_interrupt
+from ..comfy_seam.interrupts import raise_if_interrupted as check_interrupt
 
 # The H3 video VAE's per-channel latent statistics the checkpoint was trained with.
 LATENT_MEAN = (

@@ -124,8 +124,8 @@ def timed_decode(vae, latent, mm, repeats: int) -> tuple[torch.Tensor, list[floa
 
 
 def run(args: argparse.Namespace) -> dict:
+    from h3_multigpu.comfy_seam.h3 import tensor_bytes
     from h3_multigpu.decode.apply import MultiGPUDecodeConfig, apply_multi_gpu_decode, find_patch
-    from h3_multigpu.decode.core import tensor_bytes
     from h3_multigpu.decode.replica import replica_bytes
     from h3_multigpu.decode.windows import frames_to_latents
     from h3_multigpu.planner.decode import decode_memory

@@ -57,6 +57,7 @@ def _import_package() -> None:
 _import_package()
 
 from h3_multigpu.common import geometry  # noqa: E402
+from h3_multigpu.common.block_weights import module_bytes  # noqa: E402
 from h3_multigpu.common.engine import CudaCopyEngine  # noqa: E402
 from h3_multigpu.offload import (  # noqa: E402
     PrefetchConfig,
@@ -64,7 +65,6 @@ from h3_multigpu.offload import (  # noqa: E402
     get_block_prefetch,
     sizing,
 )
-from h3_multigpu.offload.weights import module_bytes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the twin lives in tests/
 from twin import TwinConfig, TwinPatcher, make_inputs  # noqa: E402

@@ -99,6 +99,7 @@ def _time(fn, iters: int, warmup: int, device: torch.device) -> list[float]:
 def bench_format(fmt: str, args, device: torch.device, workdir: str) -> dict:
     from h3_multigpu.exchange.transport import TransportMode
     from h3_multigpu.sequence import split as sequence_split
+    from h3_multigpu.sequence.plan import block_args, positional
     from h3_multigpu.sequence.runner import SequenceRunner
     from h3_multigpu.sequence.split import SequenceSplit
 
@@ -121,9 +122,9 @@ def bench_format(fmt: str, args, device: torch.device, workdir: str) -> dict:
 
         def new() -> torch.Tensor:
             h = x.clone()
-            state = runner.scatter(h, t_emb, rope, segments)
-            calls = [lambda a, b, c, d, o: block(a, b, c, d, transformer_options=o),
-                     lambda a, b, c, d, o: helper_block(a, b, c, d, transformer_options=o)]
+            state = runner.scatter(block_args(h, t_emb, segments, rope))
+            calls = [lambda a, o: block(*positional(a), transformer_options=o),
+                     lambda a, o: helper_block(*positional(a), transformer_options=o)]
             runner.run_block(state, calls, {}, [block, helper_block])
             runner.gather(state)
             return h

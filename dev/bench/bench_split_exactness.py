@@ -1,7 +1,7 @@
 """When is a head subset of an SDPA call bit-identical to the whole call? One GPU, ~30 s.
 
     COMFYUI_PATH=/path/to/ComfyUI python dev/bench/bench_split_exactness.py \
-        --out $OUT/split_exactness.json [--write-range dual_sage/exact_range.json]
+        --out $OUT/split_exactness.json [--write-range common/exact_range.json]
 
 For each SDPA backend ComfyUI's priority can pick (flash, cudnn, efficient, math, each forced),
 and for ComfyUI's own `attention_pytorch` (its priority; the pack's copy of that priority when
@@ -9,7 +9,7 @@ ComfyUI is not importable), over H3's bf16 `[1, 56, S, 128]` strided qkv views: 
 heads once, then subsets of h heads as Dual-Sage runs them (the root's first h heads as strided
 views, a helper chunk of the last h heads as a contiguous copy), and compare bit for bit.
 The JSON lists every case and, per backend, the `min_heads_x_rows_per_sm` threshold that
-`dual_sage/exact_range.json` stores (`--write-range` writes that file). A short table is last.
+`common/exact_range.json` stores (`--write-range` writes that file). A short table is last.
 `--dry-run` runs the code path on the CPU with tiny sizes.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from h3_multigpu.dual_sage.exactness import derive_per_sm, sdpa_backend
+from h3_multigpu.common.exactness import derive_per_sm, sdpa_backend
 
 HEADS, HEAD_DIM = 56, 128
 SIZES = (3_320, 4_096, 8_192, 15_399, 35_305)

@@ -1,7 +1,7 @@
 """When is a head subset of ComfyUI's CPU attention bit-identical to the whole call? ~5 min.
 
     COMFYUI_PATH=/path/to/ComfyUI python dev/bench/bench_split_exactness_cpu.py \
-        --out split_exactness_cpu.json [--write-range dual_sage/exact_range.json]
+        --out split_exactness_cpu.json [--write-range common/exact_range.json]
 
 Dual-Sage and the sequence mode run ComfyUI's attention function once per head subset. On a
 GPU `bench_split_exactness.py` measures that; this one measures the CPU (the test stand-in, and
@@ -82,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("split_exactness_cpu.json"))
     parser.add_argument("--write-range", type=Path, default=None,
-                        help="update the 'cpu' entry of dual_sage/exact_range.json")
+                        help="update the 'cpu' entry of common/exact_range.json")
     parser.add_argument("--quick", action="store_true", help="a few sizes only (smoke run)")
     args = parser.parse_args()
     attention = comfy_attention()

@@ -1,5 +1,8 @@
 """What moves: one block's tensors, laid out in one flat byte buffer, and how they are bound.
 
+Shared by the prefetcher (`offload/`: the host copy and the device slots) and the sequence
+mode's own helper binding (`sequence/weights.py`: a helper's replica or streamed slots).
+
 A block's weights are every parameter and buffer under its module (linears, q/k norms, AdaLN
 projection, anything a loader added). Each tensor is flattened into *leaves*, the plain tensors
 that hold its bytes: a plain tensor is its own leaf; a quantized tensor (comfy-kitchen's
@@ -7,7 +10,7 @@ that hold its bytes: a plain tensor is its own leaf; a quantized tensor (comfy-k
 and every tensor field of its layout params (scales, block scales). Leaves are moved as raw
 bytes, never dequantized.
 
-The same `BlockLayout` (offsets aligned to `sizing.ALIGNMENT`) is used for the host copy and for
+The same `BlockLayout` (offsets aligned to `alignment.ALIGNMENT`) is used for the host copy and for
 every device slot, so streaming a block is one contiguous copy.
 
 Binding keeps module objects and state-dict keys: a plain tensor gets `.data` swapped; a
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-from . import sizing
+from .alignment import aligned
 
 PLAIN = "plain"  # the field name of a plain tensor's single leaf
 QDATA = "_qdata"
@@ -100,7 +103,7 @@ class BlockLayout:
             for field, leaf in leaves_of(tensor):
                 nbytes = leaf.numel() * leaf.element_size()
                 leaves.append(Leaf(index, field, leaf.dtype, tuple(leaf.shape), offset, nbytes))
-                offset += sizing.aligned(nbytes)
+                offset += aligned(nbytes)
         return cls(tuple(leaves), offset)
 
     def signature(self) -> tuple:
