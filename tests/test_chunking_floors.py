@@ -24,6 +24,7 @@ from h3_multigpu.chunking import (
 )
 from h3_multigpu.chunking.sizing import Adapters, BlockDims, RowFloors
 from h3_multigpu.common import exact_rows
+from h3_multigpu.common import floors as common_floors
 
 H200 = "NVIDIA H200"
 H3 = exact_rows.linear_shapes(5376, 56 * 128, 14336)
@@ -123,7 +124,7 @@ def fake_floors(monkeypatch):
     monkeypatch.setattr(exact_rows, "table_for",
                         lambda device, dtype: table if (device, dtype) == ("cpu",
                                                                            "bfloat16") else None)
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 8)
     return floors
 
 
@@ -272,7 +273,7 @@ def test_a_gpu_without_measured_floors_is_exact_only_as_assumed(tiny_config, mon
     monkeypatch.setattr("h3_multigpu.chunking.formats.device_name", lambda device: gpu)
     monkeypatch.setattr(exact_rows, "table_for",
                         lambda device, dtype: table if listed and device == gpu else None)
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 8)
     model = make_twin(tiny_config, dtype=BF16, seed=3)
     inputs = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
                          dtype=BF16)
@@ -403,7 +404,7 @@ def test_a_never_split_weight_format_keeps_its_phase_whole(monkeypatch, tiny_con
     monkeypatch.setattr(seam_h3, "weight_format",
                         lambda m: "nvfp4_dynamic" if id(m) in fc1s else real(m))
     assert formats.seam_h3 is seam_h3  # the formats and the wrappers read it from there
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 8)
     monkeypatch.setattr(wrappers, "free_device_bytes", lambda device: 1)  # nothing fits
     inputs = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
                          dtype=BF16)
