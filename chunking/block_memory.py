@@ -34,13 +34,16 @@ swiglu, fc2 and the LoRA adapters see m rows at a time, each chunk gated into x 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from ..comfy_seam import h3 as seam_h3
 from ..common import geometry
 from .exactness import RowFloors, floors_or_planned
 from .rows import largest_chunk_rows, largest_head_group
 
 MLP_KERNELS = ("twin", "comfy", "comfy_int8")
 LSE_BYTES = 4  # SDPA's logsumexp is fp32 [H, S]
+_UPSTREAM = seam_h3.block_kernels()  # upstream H3's block, nothing loaded: the defaults
 
 
 @dataclass(frozen=True)
@@ -79,21 +82,33 @@ class Adapters:
 class Kernels:
     """What the kernels allocate beyond their outputs.
 
-    mlp: "twin" (silu temporary, fc1 freed before fc2), "comfy" (`linear_input_act` eager
-    SwiGLU: silu then in-place multiply, fc1 held during fc2), "comfy_int8" (SwiGLU fused into
-    the INT8 activation quantizer: an int8 [S,F] buffer). attention_output_copy: the attention
-    backend's [1,H,S,D] output needs a copy to become [1,S,H*D] (False for SDPA flash/efficient).
-    norm_temp_bytes: bytes of temporaries per element of [S,C] while RMSNorm runs, beyond its
-    output (0 for a fused kernel; a composite bf16 RMSNorm upcasts to fp32 on the way).
+    mlp: "comfy" (`linear_input_act` eager SwiGLU: silu then in-place multiply, fc1 held during
+    fc2), "comfy_int8" (SwiGLU fused into the INT8 activation quantizer: an int8 [S,F] buffer),
+    "twin" (the test twin's: silu temporary, fc1 freed before fc2; tests and benches of the twin
+    name it). attention_output_copy: the attention backend's [1,H,S,D] output needs a copy to
+    become [1,S,H*D] (False for SDPA flash/efficient on CUDA). norm_temp_bytes: bytes of
+    temporaries per element of [S,C] while RMSNorm runs, beyond its output (0 for a fused
+    kernel; a composite bf16 RMSNorm upcasts to fp32 on the way).
+
+    The defaults are upstream H3's block in bf16, as the seam reads it (`of`); the run reads
+    the loaded block's through the same seam function.
     """
 
-    mlp: str = "twin"
-    attention_output_copy: bool = False
+    mlp: str = _UPSTREAM.mlp
+    attention_output_copy: bool = _UPSTREAM.attention_output_copy
     norm_temp_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mlp not in MLP_KERNELS:
             raise ValueError(f"mlp kernel {self.mlp!r} is unknown; use one of {MLP_KERNELS}")
+
+    @classmethod
+    def of(cls, model: Any = None, *, weight_format: str = "bfloat16") -> Kernels:
+        """The kernels of a loaded model's block, or (None) of upstream H3's block with DiT
+        linears of `weight_format` (`comfy_seam.h3.block_kernels`: the one answer the
+        chunking's run-time sizing and the planner both use)."""
+        found = seam_h3.block_kernels(model, weight_format=weight_format)
+        return cls(mlp=found.mlp, attention_output_copy=found.attention_output_copy)
 
 
 def linear_call_bytes(rows: int, out_features: int, adapters: int, rank: int, e: int) -> int:

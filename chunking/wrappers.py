@@ -258,7 +258,7 @@ class BlockChunker:
                                 ffn=mlp.fc2.in_features, element_bytes=x_SC.element_size())
 
     def kernels(self) -> sizing.Kernels:
-        return sizing.Kernels(mlp=seam_h3.mlp_kernel(self.block), attention_output_copy=True)
+        return sizing.Kernels.of(self.block)  # the planner reads the same seam answer
 
     def adapters(self, ranks: Ranks | None = None) -> sizing.Adapters:
         found = dict(self.adapter_ranks() if ranks is None else ranks)

@@ -194,6 +194,12 @@ INTERNALS: tuple[Internal, ...] = (
     # feature-detects them (runtime.nodes_multigpu() is None there)
     _i("comfy_extras.nodes_multigpu", "source", "class ", "nodes.comfy_placement",
        RELEASE_033),
+    # ---- block kernels (planner and run)
+    _i(H3, "source", "skip_reshape=True", "h3.block_kernels (H3's attention output is reshaped "
+       "by ComfyUI's attention function)"),
+    _i("comfy.ldm.modules.attention", "source",
+       "out.transpose(1, 2).reshape(b, -1, heads * dim_head)",
+       "h3.block_kernels (the reshape that copies the attention output)"),
 )
 
 

@@ -22,7 +22,7 @@ from h3_multigpu.chunking import (
     get_chunking,
     sizing,
 )
-from h3_multigpu.chunking.sizing import Adapters, BlockDims, RowFloors
+from h3_multigpu.chunking.sizing import Adapters, BlockDims, Kernels, RowFloors
 from h3_multigpu.common import exact_rows
 from h3_multigpu.common import floors as common_floors
 
@@ -346,9 +346,15 @@ def test_row_floors_are_per_weight_format():
 def test_auto_chunks_an_int8_convrot_block_below_4096_rows():
     dims = BlockDims()
     int8 = RowFloors(qkv_base=1, ffn_base=1)
-    free = 1200 << 20  # the unchunked MLP (1.09 GB at 8,000 tokens) does not fit
-    bf16 = sizing.choose_chunks(free, 8_000, dims, floors=RowFloors())
-    small = sizing.choose_chunks(free, 8_000, dims, floors=int8)
+    kernels = Kernels.of(weight_format="int8_convrot")  # an INT8 block's MLP: the fused fc2
+    assert kernels.mlp == "comfy_int8"
+    # memory free for the attention phase unchunked but not for the MLP (the budget halfway)
+    plain = sizing.block_peak_bytes(8_000, dims, kernels=kernels)
+    assert plain.attention_bytes < plain.mlp_bytes
+    budget = (plain.attention_bytes + plain.mlp_bytes) // 2 - 8_000 * dims.hidden * 2
+    free = int((budget + (512 << 20)) / 0.9) + 1  # choose_chunks' default headroom
+    bf16 = sizing.choose_chunks(free, 8_000, dims, floors=RowFloors(), kernels=kernels)
+    small = sizing.choose_chunks(free, 8_000, dims, floors=int8, kernels=kernels)
     assert not bf16.fits  # two chunks would go under 4,096 rows: realised whole
     assert len(sizing.row_chunks(8_000, bf16.ffn_chunk, 4096)) == 1
     # no 4,096-row floor to stay above: realised in chunks below it

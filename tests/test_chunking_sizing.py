@@ -63,11 +63,15 @@ def test_unchunked_peaks_follow_the_tensors_alive():
     dims = BlockDims()
     x = s * dims.hidden * e
     fc1 = s * 2 * dims.ffn * e
-    # twin MLP: x, h, fc1 and both SwiGLU temporaries at the multiply
-    assert sizing.mlp_phase_peak_bytes(s) == 2 * x + fc1 + 2 * (fc1 // 2)
-    # ComfyUI: fc1 still held while fc2 writes its output
+    # the twin's MLP (tests only): x, h, fc1 and both SwiGLU temporaries at the multiply
+    twin = sizing.mlp_phase_peak_bytes(s, kernels=Kernels(mlp="twin"))
+    assert twin == 2 * x + fc1 + 2 * (fc1 // 2)
+    # ComfyUI (the default: upstream's block): fc1 still held while fc2 writes its output
     comfy = sizing.mlp_phase_peak_bytes(s, kernels=Kernels(mlp="comfy"))
-    assert comfy == 2 * x + fc1 + fc1 // 2 + x
+    assert comfy == 2 * x + fc1 + fc1 // 2 + x == sizing.mlp_phase_peak_bytes(s)
+    # INT8: the SwiGLU product only as int8 [S, F] inside the fused fc2
+    int8 = sizing.mlp_phase_peak_bytes(s, kernels=Kernels(mlp="comfy_int8"))
+    assert int8 == 2 * x + fc1 + s * dims.ffn + x
     # LoRA on fc1: the base and the adapter outputs side by side
     lora = sizing.mlp_phase_peak_bytes(s, adapters=LORA)
     assert lora == 2 * x + 2 * fc1 + s * 128 * e
