@@ -50,10 +50,10 @@ class ChunkingConfig:
     ffn_chunk: rows per fc1 -> SwiGLU -> fc2 chunk. qkv_chunk: rows per qkv projection chunk
     (LoRA/bypass adapters included) and per out_proj chunk. head_group: heads per attention call.
     0 = off; "auto" sizes it at run time from the memory free on the block's device (off on CPU).
-    Chunks of at least `sizing.EXACT_MIN_ROWS` rows are realised at or above each phase's
+    Chunks of at least `common.floors.EXACT_MIN_ROWS` rows are realised at or above each phase's
     measured row floor (`exact_rows`, per weight format: higher with on-activation adapters,
     none for INT8 ConvRot on NVIDIA GPUs, never a split for NVFP4 without input_scale) and
-    groups of at least `sizing.EXACT_MIN_HEADS` heads stay exact on the GPU ("auto" stays
+    groups of at least `common.floors.EXACT_MIN_HEADS` heads stay exact on the GPU ("auto" stays
     there); smaller explicit values run as asked and the status says they may differ at bf16
     rounding, as it does when memory needs a phase chunked that has no known floor.
     blocks: DiT block indices to patch (None = all). headroom_bytes: kept free by "auto" for

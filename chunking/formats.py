@@ -9,6 +9,7 @@ import torch
 
 from ..comfy_seam import h3 as seam_h3
 from ..common import exact_rows
+from ..common import floors as common_floors
 from . import sizing
 
 
@@ -87,6 +88,6 @@ def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtyp
                 for key in linears)
     assumed = "" if table is not None or not gpu or not plain else (
         f"{name} {dtype_name} is not in chunking/exact_rows.json: row chunks of >= "
-        f"{sizing.EXACT_MIN_ROWS:,} rows are taken as exact, as measured on other GPUs; "
+        f"{common_floors.EXACT_MIN_ROWS:,} rows are taken as exact, as measured on other GPUs; "
         "dev/bench/sweep_chunk_exactness.py measures this one")
     return sizing.RowFloors.of_rules(found["qkv"], found["ffn"], assumed=assumed)

@@ -42,6 +42,7 @@ from ..comfy_seam import h3 as seam_h3
 from ..comfy_seam import names
 from ..comfy_seam.memory import free_vram_bytes
 from ..comfy_seam.protocol import override_of
+from ..common import floors as common_floors
 from . import sizing
 from .config import AUTO, ChunkingConfig
 from .formats import block_adapter_ranks, block_floors, block_linears, skipped_adapter_note
@@ -207,7 +208,7 @@ class BlockChunker:
                 kept.append(f"{phase} kept whole ({floors.why(phase)})")
             chunk = values[name]
             if (not chunk or floors.known(phase) or fixed[name] == AUTO
-                    or chunk < sizing.EXACT_MIN_ROWS
+                    or chunk < common_floors.EXACT_MIN_ROWS
                     or len(sizing.row_chunks(tokens, chunk, floors.split_floor(phase))) <= 1):
                 continue
             # a chunk meant to be exact in a phase without a known floor: only if memory needs it
@@ -257,7 +258,7 @@ class BlockChunker:
                                 ffn=mlp.fc2.in_features, element_bytes=x_SC.element_size())
 
     def kernels(self) -> sizing.Kernels:
-        return sizing.Kernels(mlp=seam_h3.mlp_kernel(self.block), attention_output_copy=True)
+        return sizing.Kernels.of(self.block)  # the planner reads the same seam answer
 
     def adapters(self, ranks: Ranks | None = None) -> sizing.Adapters:
         found = dict(self.adapter_ranks() if ranks is None else ranks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import names
 
@@ -179,3 +179,52 @@ def tensor_bytes(tensor: Any) -> int:
         extra = (getattr(params, f.name) for f in dataclasses.fields(params))
         return qdata.nbytes + sum(t.nbytes for t in extra if isinstance(t, torch.Tensor))
     return tensor.numel() * tensor.element_size()
+
+
+# ---- block kernels (planner and run)
+# weight_format's names of the layout (TensorWiseINT8Layout) whose fc2 `linear_input_act` runs
+# fused with the SwiGLU (`fused_int8_fc2`)
+FUSED_FC2_FORMATS = ("int8", "int8_convrot")
+
+
+class BlockKernels(NamedTuple):
+    """The kernels one H3 block's forward runs, in the words of the activation sizing
+    (`chunking.block_memory.Kernels` takes these fields)."""
+
+    mlp: str  # "comfy" (linear_input_act's eager SwiGLU), "comfy_int8" (fused into fc2), "twin"
+    attention_output_copy: bool
+
+
+def block_kernels(model: Any = None, *, weight_format: str = "bfloat16") -> BlockKernels:
+    """What the block's kernels allocate, for the chunking's sizing at run time and the planner.
+
+    model: a ModelPatcher, its BaseModel, the DiT or one block (its first block is read:
+    `mlp_kernel`); None, before anything is loaded: upstream H3's own block with DiT linears of
+    `weight_format` (`weight_format`'s names), i.e. `linear_input_act`'s SwiGLU, fused into fc2
+    for the INT8 formats it fuses. The attention output: ComfyUI internal: H3 calls
+    `optimized_attention(..., skip_reshape=True)`, whose functions return
+    `out.transpose(1, 2).reshape(b, -1, heads * dim_head)`; that reshape copies unless the
+    backend wrote its output [B, S, H, D]-major, which nothing here reads, so it is counted.
+    """
+    block = _first_block(model)
+    if block is not None:
+        mlp = mlp_kernel(block)
+    elif model is not None:
+        raise ValueError(f"{type(model).__name__} has no H3 DiT block to read the kernels off")
+    else:
+        mlp = "comfy_int8" if weight_format in FUSED_FC2_FORMATS else "comfy"
+    return BlockKernels(mlp=mlp, attention_output_copy=True)
+
+
+def _first_block(model: Any) -> Any:
+    """The first DiT block of a ModelPatcher (`get_model_object`), a BaseModel
+    (`diffusion_model`), the DiT (`blocks`) or the block itself; None when there is none."""
+    if model is None:
+        return None
+    if hasattr(model, "get_model_object"):
+        model = model.get_model_object("diffusion_model")
+    model = getattr(model, "diffusion_model", model)
+    blocks = getattr(model, "blocks", None)
+    if blocks is not None:
+        return blocks[0] if len(blocks) else None
+    return model if hasattr(model, "mlp") and hasattr(model, "attn") else None

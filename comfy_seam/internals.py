@@ -226,6 +226,12 @@ INTERNALS: tuple[Internal, ...] = (
       for index, name in ((1, "x"), (2, "t_emb"), (3, "mod_segments"), (4, "rope_freqs"))),
     _i(H3, "source", f'args.get("{names.BLOCK_ATTENTION}")',
        "sequence.plan.NOT_SPLIT (a block handed its own attention is not split)", NEWEST),
+    # ---- block kernels (planner and run)
+    _i(H3, "source", "skip_reshape=True", "h3.block_kernels (H3's attention output is reshaped "
+       "by ComfyUI's attention function)"),
+    _i("comfy.ldm.modules.attention", "source",
+       "out.transpose(1, 2).reshape(b, -1, heads * dim_head)",
+       "h3.block_kernels (the reshape that copies the attention output)"),
 )
 
 

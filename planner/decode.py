@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..decode import sizing
-from ..decode.windows import WindowLayout, assign_windows, finish_seconds, frames_to_latents
+from ..decode.sizing import WindowLayout, assign_windows, finish_seconds, frames_to_latents
 from .hardware import GB, GiB, HardwareProfile
 
 MIN_GAIN = 1.05  # split only when it is at least this much faster

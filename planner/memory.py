@@ -2,13 +2,14 @@
 
 The per-block formulas live in `chunking/sizing.py` (one model of the block, used by the
 chunking code too); they count the tensors alive together at the worst moment of a DiT block,
-as the block is written upstream (and in our twin):
+as the block is written upstream:
 - attention phase: residual x [S, C] and normed h [S, C] stay alive; qkv [S, 3I]; the attention
   output [S, I] (SDPA's flash layout makes the reshape a view on CUDA); an on-activation LoRA
   adapter adds one more [S, 3I] while the projection runs;
-- MLP phase: x and h; fc1 output [S, 2F]; SwiGLU's silu temporary and product [S, F] each
-  (ComfyUI's fused `linear_input_act` avoids the silu temporary: `fused_swiglu=True`);
-  an on-activation LoRA on fc1 adds [S, 2F] while fc1 runs.
+- MLP phase: x and h; fc1 output [S, 2F]; the kernels of the real block (`kernels`, read
+  through `comfy_seam.h3.block_kernels` as the run reads them): ComfyUI's `linear_input_act`
+  holds fc1 while fc2 runs beside the SwiGLU product [S, F], or with INT8 weights fuses the
+  product into an int8 [S, F] buffer; an on-activation LoRA on fc1 adds [S, 2F] while fc1 runs.
 Chunked paths (see chunking/) bound the FFN intermediates and the LoRA extra by the chunk size,
 free h before attention and write attention head groups into one preallocated output.
 Legend: S tokens, C hidden, I = heads x head_dim, F ffn width, E bytes per element.
@@ -62,7 +63,7 @@ def block_activation_peak(
     *,
     lora_on_activations: bool = False,
     lora_rank: int = 128,
-    fused_swiglu: bool = False,
+    kernels: block_sizing.Kernels = block_sizing.Kernels(),
     dual_sage_root_extra_per_token: int = 0,
 ) -> ActivationPeak:
     """Peak bytes of one DiT block's activations for `tokens` rows.
@@ -70,10 +71,10 @@ def block_activation_peak(
     The block itself is modelled once, in `chunking.sizing` (it follows the chunked code's
     allocations and the plain block's); this adds what the planner knows beyond one block:
     the RoPE table alive across all blocks and Dual-Sage's root-side gather of the helper heads.
+    kernels: the block's (`Kernels.of`; the default is upstream H3's bf16 block).
     """
     adapters = (block_sizing.Adapters(rank=lora_rank, qkv=1, fc1=1) if lora_on_activations
                 else block_sizing.Adapters())
-    kernels = block_sizing.Kernels(mlp="comfy" if fused_swiglu else "twin")
     peak = block_sizing.block_peak_bytes(tokens, dims, ffn_chunk=chunks.ffn_chunk,
                                          qkv_chunk=chunks.qkv_chunk,
                                          head_group=chunks.head_group, adapters=adapters,
@@ -93,7 +94,7 @@ def choose_chunks(
     *,
     lora_on_activations: bool = False,
     lora_rank: int = 128,
-    fused_swiglu: bool = False,
+    kernels: block_sizing.Kernels = block_sizing.Kernels(),
     dual_sage_root_extra_per_token: int = 0,
 ) -> ChunkSettings:
     """Cheapest chunking whose activation peak fits in `free_bytes` (no chunking if it fits).
@@ -103,7 +104,7 @@ def choose_chunks(
     bring the MLP phase down to about that floor.
     """
     kwargs = dict(lora_on_activations=lora_on_activations, lora_rank=lora_rank,
-                  fused_swiglu=fused_swiglu,
+                  kernels=kernels,
                   dual_sage_root_extra_per_token=dual_sage_root_extra_per_token)
     if block_activation_peak(tokens, dims, **kwargs).peak_bytes <= free_bytes:
         return ChunkSettings()

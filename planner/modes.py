@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..chunking import sizing as block_sizing
 from ..common import geometry
 from ..dual_sage import sizing as dual_sage_sizing
 from ..offload import sizing as offload_sizing
@@ -57,6 +58,7 @@ class DiTContext:
     attention: AttentionChoice
     rates: tuple[timing.GPURates, ...]  # per GPU index
     dims: BlockDims
+    kernels: block_sizing.Kernels  # the block's kernels, as the run reads them (`Kernels.of`)
     dual: DualSageSetup
     shapes: dict[str, geometry.PassGeometry]  # per pass: canvas, frames, latent
     tokens: dict[str, int]  # per pass, text included
@@ -138,7 +140,7 @@ class ModeDecision:
 # ------------------------------------------------------------------ memory of a pass in a mode
 def _adapter_kwargs(ctx: DiTContext) -> dict:
     return dict(lora_on_activations=ctx.request.lora_rank > 0, lora_rank=ctx.request.lora_rank,
-                fused_swiglu=ctx.request.fused_swiglu)
+                kernels=ctx.kernels)
 
 
 def pass_memory(ctx: DiTContext, *, mode: str, tokens: int, chunks: ChunkSettings,
@@ -163,11 +165,9 @@ def pass_memory(ctx: DiTContext, *, mode: str, tokens: int, chunks: ChunkSetting
 
 def _sequence_memory(ctx: DiTContext, tokens: int, chunks: ChunkSettings,
                      helper_weights: str | None) -> PassMemory:
-    block_sizing = sequence_sizing.block_sizing
     adapters = block_sizing.Adapters.turbo_lora(ctx.request.lora_rank)
-    kernels = block_sizing.Kernels(mlp="comfy" if ctx.request.fused_swiglu else "twin")
     memory = sequence_sizing.sequence_memory(
-        tokens, ctx.seq_heads, row_weights=ctx.row_weights, adapters=adapters, kernels=kernels,
+        tokens, ctx.seq_heads, row_weights=ctx.row_weights, adapters=adapters, kernels=ctx.kernels,
         ffn_chunk=chunks.ffn_chunk)
     helper_act = max(m.peak for m in memory[1:])
     shares = sequence_sizing.split_counts(tokens, ctx.row_weights)

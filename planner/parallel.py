@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..chunking.sizing import EXACT_MIN_ROWS  # the GPU row floor (torch-free)
+from ..common.floors import EXACT_MIN_ROWS  # the GPU row floor (torch-free)
 from ..sequence.sizing import gpu_speed, link_speed  # the one conversion (runtime too)
 from .request import PARALLEL_MODES as MODES
 

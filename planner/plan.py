@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..chunking import sizing as block_sizing
 from ..common import geometry
 from .attention import AttentionChoice, missing_kernel_notes, resolve_attention
 from .checkpoint_check import check_dit_file
@@ -103,6 +104,9 @@ class Plan:
     decode: DecodePlan | None = None
     loader: LoaderPlan | None = None
     host: HostMemoryPlan | None = None
+    # the block's kernels the memory model used: upstream H3's for this weight format, the
+    # answer the run reads off the loaded block (`Kernels.of`)
+    kernels: block_sizing.Kernels = field(default_factory=block_sizing.Kernels)
 
     @property
     def fits(self) -> bool:
@@ -158,7 +162,9 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
                           tokens=tokens["pass2"])
     ctx = DiTContext(request=request, profile=profile, placement=placement, sizes=sizes,
                      loader=loader, attention=attention, rates=rates,
-                     dims=BlockDims(element_bytes=2), dual=dual, shapes=shapes, tokens=tokens)
+                     dims=BlockDims(element_bytes=2),
+                     kernels=block_sizing.Kernels.of(weight_format=request.dit_weight_format),
+                     dual=dual, shapes=shapes, tokens=tokens)
     decision = decide_modes(ctx)
     # 4. memory for the modes that run, then the decode beside it
     layout = plan_memory(ctx, decision)
@@ -187,7 +193,7 @@ def plan_job(request: PlanRequest, *, suggest: bool = True) -> Plan:
                 prefetch=layout.prefetch, gpus=layout.gpus, step_time_s=step,
                 single_gpu_step_time_s=single, attention=attention, job_time=job,
                 verdict=verdict, parallel=parallel, decode=decode, loader=loader, host=host,
-                notes=[*layout.notes, *_range_notes(ctx, placement, profile)])
+                kernels=ctx.kernels, notes=[*layout.notes, *_range_notes(ctx, placement, profile)])
     advise(plan, suggest)
     return plan
 

@@ -13,6 +13,9 @@ from .residency import RESIDENT_NEEDS_LEGACY
 PARALLEL_MODES = ("auto", "sequence", "heads", "off")
 ATTENTIONS = ("auto", *ATTENTION_KERNELS)
 MAX_STEPS = 200
+# the DiT linears' weight format (`comfy_seam.h3.weight_format`'s names) of each dit_dtype: "int8"
+# is the official pruned file, INT8 ConvRot
+DIT_WEIGHT_FORMATS = {"int8": "int8_convrot", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,6 @@ class PlanRequest:
     decode: str = "auto"  # video decode on several GPUs: "auto" | "on" | "off"
     chunking: str = "auto"  # "auto" | "off" | "on"
     resident_blocks: int | None = None  # None = as many as fit
-    fused_swiglu: bool = False  # ComfyUI's linear_input_act; the twin materialises silu
     # the attention kernel ComfyUI runs: "auto" (inside ComfyUI what it would run; on the
     # command line ComfyUI's default, SDPA, or what the checkpoint prefers), "sdpa", "flash",
     # "sage" (--use-sage-attention) or "ck" (--use-ck-attention)
@@ -64,7 +66,7 @@ class PlanRequest:
             geometry.validate_frames(self.frames)
         else:
             geometry.snap_frames(self.seconds)
-        if self.dit_dtype not in ("int8", "bf16"):
+        if self.dit_dtype not in DIT_WEIGHT_FORMATS:
             raise ValueError(f"dit_dtype {self.dit_dtype!r} is not known; use 'int8' or 'bf16'")
         for name in ("dual_sage", "chunking", "decode", "dynamic_vram"):
             value = getattr(self, name)
@@ -118,6 +120,10 @@ class PlanRequest:
             raise ValueError(f"quantized_attention=True asks for an INT8-QK kernel but "
                              f"attention={self.attention!r} is not one; drop "
                              f"--quantized-attention or use --attention sage (or ck)")
+
+    @property
+    def dit_weight_format(self) -> str:
+        return DIT_WEIGHT_FORMATS[self.dit_dtype]
 
     @property
     def frame_count(self) -> int:

@@ -26,10 +26,11 @@ from functools import lru_cache
 
 import torch
 
-# smallest row share whose GEMMs matched the full-length run on H200 (the chunking floor)
-from ..chunking.sizing import EXACT_MIN_ROWS as EXACT_MIN_ROWS_GPU  # noqa: E402
-from ..chunking.sizing import MIN_QUERY_TILES_PER_CALL
 from ..common.exactness import default_range
+
+# smallest row share whose GEMMs matched the full-length run on H200 (the chunking floor)
+from ..common.floors import EXACT_MIN_ROWS as EXACT_MIN_ROWS_GPU  # noqa: E402
+from ..common.floors import MIN_QUERY_TILES_PER_CALL
 from ..common.split import DeviceSplit, heads_by_weights, ranges_of
 from ..common.split import split_by_weights as _split_by_weights
 from .sizing import DEFAULT_CHUNK_HEADS

@@ -15,6 +15,7 @@ from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_
 from h3_multigpu.chunking.formats import activation_adapters
 from h3_multigpu.chunking.wrappers import project_rows
 from h3_multigpu.comfy_seam import protocol
+from h3_multigpu.common import floors as common_floors
 
 BF16 = torch.bfloat16
 
@@ -261,8 +262,8 @@ def test_auto_is_off_on_cpu_and_sized_from_free_memory(bf16_twin, bf16_inputs, m
     # exactness floors are scaled down to this 44-row, 8-head model (the GPU's are 4096 rows and
     # 1024 query tiles per call: "auto" would not chunk a sequence this short at all)
     monkeypatch.setattr("h3_multigpu.chunking.wrappers.free_device_bytes", lambda device: 0)
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
-    monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 4)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(common_floors, "MIN_QUERY_TILES_PER_CALL", 4)
     config = ChunkingConfig(ffn_chunk="auto", qkv_chunk="auto", head_group="auto",
                             headroom_bytes=0, blocks=(0,))
     patched = apply_activation_chunking(base, config)
@@ -272,8 +273,8 @@ def test_auto_is_off_on_cpu_and_sized_from_free_memory(bf16_twin, bf16_inputs, m
     # smallest exact head group (4 of 8 heads, one 64-row query tile each)
     assert 8 <= ffn < 44 and 8 <= qkv < 44 and group == 4
     assert min(b - a for a, b in sizing.row_chunks(44, ffn)) >= 8
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 4096)
-    monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 1024)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 4096)
+    monkeypatch.setattr(common_floors, "MIN_QUERY_TILES_PER_CALL", 1024)
     patched = apply_activation_chunking(base, config)
     patched.apply_model(*bf16_inputs)
     assert get_chunking(patched).chunkers[0].last_chunks == (0, 0, 0)

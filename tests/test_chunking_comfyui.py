@@ -43,6 +43,7 @@ from h3_multigpu.comfy_seam import h3 as seam_h3
 from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.comfy_seam.h3 import weight_format
 from h3_multigpu.common import exact_rows
+from h3_multigpu.common import floors as common_floors
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui", "two_cpu_threads")]
 
@@ -203,8 +204,8 @@ def _auto_on_a_full_device(monkeypatch) -> ChunkingConfig:
     """"auto" on a device with no free memory, the GPU's exactness floors scaled down to this
     ~100-row, 8-head model (the GPU's floors would not chunk a sequence this short at all)."""
     monkeypatch.setattr("h3_multigpu.chunking.wrappers.free_device_bytes", lambda device: 0)
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 24)
-    monkeypatch.setattr(sizing, "MIN_QUERY_TILES_PER_CALL", 2)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 24)
+    monkeypatch.setattr(common_floors, "MIN_QUERY_TILES_PER_CALL", 2)
     return ChunkingConfig("auto", "auto", "auto", headroom_bytes=0)
 
 
@@ -292,7 +293,7 @@ def test_int8_convrot_chunked_equals_unpatched(case, lora_sd, monkeypatch):
     test's (test_chunking_int8_gpu). Bit-identical always: with the real CPU GEMMs where they
     are row-independent at these chunks (`kernels_row_and_head_independent`, the LoRA's rank
     included), else with the bypass adapter's GEMMs one row per call in both runs."""
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", CPU_MIN_ROWS)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", CPU_MIN_ROWS)
     patcher = make_tiny_h3(INT8, seed=0)
     block = patcher.model.diffusion_model.blocks[0]
     assert seam_h3.fused_int8_fc2(block)

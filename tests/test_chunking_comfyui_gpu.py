@@ -43,6 +43,7 @@ from comfyui_h3 import (
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking, sizing
 from h3_multigpu.comfy_seam import protocol
+from h3_multigpu.common.floors import EXACT_MIN_ROWS
 from h3_multigpu.guard.device import guard_diffusion_model
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.gpu, pytest.mark.multi_gpu]
@@ -123,8 +124,8 @@ def test_planner_chunks_are_bit_identical_on_cuda1(wide, case):
     unload_all()
     out, chunked, plan, tokens, line = _chunked(patcher, PLANNER, inputs, **kwargs)
     assert tokens > 16_000 and line.endswith("; exact"), line
-    assert _smallest_chunk(tokens, plan.ffn_chunk, plan.ffn_floor) >= sizing.EXACT_MIN_ROWS
-    assert _smallest_chunk(tokens, plan.qkv_chunk, plan.qkv_floor) >= sizing.EXACT_MIN_ROWS
+    assert _smallest_chunk(tokens, plan.ffn_chunk, plan.ffn_floor) >= EXACT_MIN_ROWS
+    assert _smallest_chunk(tokens, plan.qkv_chunk, plan.qkv_floor) >= EXACT_MIN_ROWS
     if case == "lora_lowvram":
         assert lowvram_patched_modules(chunked) > 0
     if case == "bypass_lora":

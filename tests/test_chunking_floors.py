@@ -22,9 +22,10 @@ from h3_multigpu.chunking import (
     get_chunking,
     sizing,
 )
-from h3_multigpu.chunking.sizing import Adapters, BlockDims, RowFloors
+from h3_multigpu.chunking.sizing import Adapters, BlockDims, Kernels, RowFloors
 from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common import exact_rows
+from h3_multigpu.common import floors as common_floors
 
 H200 = "NVIDIA H200"
 H3 = exact_rows.linear_shapes(5376, 56 * 128, 14336)
@@ -124,7 +125,7 @@ def fake_floors(monkeypatch):
     monkeypatch.setattr(exact_rows, "table_for",
                         lambda device, dtype: table if (device, dtype) == ("cpu",
                                                                            "bfloat16") else None)
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 8)
     return floors
 
 
@@ -276,7 +277,7 @@ def test_a_gpu_without_measured_floors_is_exact_only_as_assumed(tiny_config, mon
     monkeypatch.setattr("h3_multigpu.chunking.formats.device_name", lambda device: gpu)
     monkeypatch.setattr(exact_rows, "table_for",
                         lambda device, dtype: table if listed and device == gpu else None)
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 8)
     model = make_twin(tiny_config, dtype=BF16, seed=3)
     inputs = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
                          dtype=BF16)
@@ -349,9 +350,15 @@ def test_row_floors_are_per_weight_format():
 def test_auto_chunks_an_int8_convrot_block_below_4096_rows():
     dims = BlockDims()
     int8 = RowFloors(qkv_base=1, ffn_base=1)
-    free = 1200 << 20  # the unchunked MLP (1.09 GB at 8,000 tokens) does not fit
-    bf16 = sizing.choose_chunks(free, 8_000, dims, floors=RowFloors())
-    small = sizing.choose_chunks(free, 8_000, dims, floors=int8)
+    kernels = Kernels.of(weight_format="int8_convrot")  # an INT8 block's MLP: the fused fc2
+    assert kernels.mlp == "comfy_int8"
+    # memory free for the attention phase unchunked but not for the MLP (the budget halfway)
+    plain = sizing.block_peak_bytes(8_000, dims, kernels=kernels)
+    assert plain.attention_bytes < plain.mlp_bytes
+    budget = (plain.attention_bytes + plain.mlp_bytes) // 2 - 8_000 * dims.hidden * 2
+    free = int((budget + (512 << 20)) / 0.9) + 1  # choose_chunks' default headroom
+    bf16 = sizing.choose_chunks(free, 8_000, dims, floors=RowFloors(), kernels=kernels)
+    small = sizing.choose_chunks(free, 8_000, dims, floors=int8, kernels=kernels)
     assert not bf16.fits  # two chunks would go under 4,096 rows: realised whole
     assert len(sizing.row_chunks(8_000, bf16.ffn_chunk, 4096)) == 1
     # no 4,096-row floor to stay above: realised in chunks below it
@@ -407,7 +414,7 @@ def test_a_never_split_weight_format_keeps_its_phase_whole(monkeypatch, tiny_con
     monkeypatch.setattr(seam_h3, "weight_format",
                         lambda m: "nvfp4_dynamic" if id(m) in fc1s else real(m))
     assert formats.seam_h3 is seam_h3  # the formats and the wrappers read it from there
-    monkeypatch.setattr(sizing, "EXACT_MIN_ROWS", 8)
+    monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 8)
     monkeypatch.setattr(wrappers, "free_device_bytes", lambda device: 1)  # nothing fits
     inputs = make_inputs(tiny_config, latent_t=3, latent_h=4, latent_w=6, audio_t=5, seed=5,
                          dtype=BF16)

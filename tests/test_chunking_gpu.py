@@ -47,7 +47,7 @@ def _predicted(workload, config: ChunkingConfig | None) -> sizing.BlockPeak:
         kernels=kernels)
 
 
-# Chunks of at least sizing.EXACT_MIN_ROWS (what the planner and "auto" choose, and what a request
+# Chunks of at least floors.EXACT_MIN_ROWS (what the planner and "auto" choose, and what a request
 # of that size is never realised below) keep cuBLAS on the unchunked call's GEMM kernels, and head
 # groups of >= 4 heads with enough query tiles keep flash attention free of split-KV: the result is
 # bit-identical. Smaller explicit chunks can change kernels (seen on an H200: 777/1000-row chunks

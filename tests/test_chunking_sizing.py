@@ -9,7 +9,7 @@ import pytest
 
 from h3_multigpu.chunking import ChunkingConfig, sizing
 from h3_multigpu.chunking.sizing import Adapters, BlockDims, Kernels
-from h3_multigpu.common import geometry
+from h3_multigpu.common import floors, geometry
 
 GiB = 1 << 30
 PASS2_15S = geometry.video_audio_tokens(1312, 736, 362)  # 102,107
@@ -63,11 +63,15 @@ def test_unchunked_peaks_follow_the_tensors_alive():
     dims = BlockDims()
     x = s * dims.hidden * e
     fc1 = s * 2 * dims.ffn * e
-    # twin MLP: x, h, fc1 and both SwiGLU temporaries at the multiply
-    assert sizing.mlp_phase_peak_bytes(s) == 2 * x + fc1 + 2 * (fc1 // 2)
-    # ComfyUI: fc1 still held while fc2 writes its output
+    # the twin's MLP (tests only): x, h, fc1 and both SwiGLU temporaries at the multiply
+    twin = sizing.mlp_phase_peak_bytes(s, kernels=Kernels(mlp="twin"))
+    assert twin == 2 * x + fc1 + 2 * (fc1 // 2)
+    # ComfyUI (the default: upstream's block): fc1 still held while fc2 writes its output
     comfy = sizing.mlp_phase_peak_bytes(s, kernels=Kernels(mlp="comfy"))
-    assert comfy == 2 * x + fc1 + fc1 // 2 + x
+    assert comfy == 2 * x + fc1 + fc1 // 2 + x == sizing.mlp_phase_peak_bytes(s)
+    # INT8: the SwiGLU product only as int8 [S, F] inside the fused fc2
+    int8 = sizing.mlp_phase_peak_bytes(s, kernels=Kernels(mlp="comfy_int8"))
+    assert int8 == 2 * x + fc1 + s * dims.ffn + x
     # LoRA on fc1: the base and the adapter outputs side by side
     lora = sizing.mlp_phase_peak_bytes(s, adapters=LORA)
     assert lora == 2 * x + 2 * fc1 + s * 128 * e
@@ -123,7 +127,7 @@ def test_choose_chunks_reports_what_cannot_fit_and_keeps_given_values():
     impossible = sizing.choose_chunks(GiB, PASS2_15S, adapters=LORA)
     # the most aggressive exact settings: 4 heads per call, chunks of at least 4096 rows
     assert not impossible.fits and impossible.head_group == min(sizing.HEAD_GROUP_CANDIDATES)
-    assert impossible.ffn_chunk >= sizing.MIN_AUTO_CHUNK_ROWS
+    assert impossible.ffn_chunk >= floors.MIN_AUTO_CHUNK_ROWS
     kept = sizing.choose_chunks(9 * GiB, PASS2_15S, adapters=LORA, qkv_chunk=4096,
                                 head_group=0)
     assert kept.qkv_chunk == 4096 and kept.head_group == 0 and kept.ffn_chunk > 0
@@ -134,7 +138,7 @@ def test_auto_head_groups_only_where_each_call_keeps_enough_query_tiles():
     long_pass = sizing.choose_chunks(0, PASS2_15S, **tight)
     assert long_pass.head_group == 4  # the smallest group "auto" uses
     short = sizing.choose_chunks(0, 8000, **tight)  # 125 tiles per head
-    assert short.head_group * 125 >= sizing.MIN_QUERY_TILES_PER_CALL
+    assert short.head_group * 125 >= floors.MIN_QUERY_TILES_PER_CALL
 
 
 def test_sizing_rejects_bad_values():
@@ -157,9 +161,9 @@ def test_row_chunks_never_go_below_the_exactness_floor(total, chunk):
     ranges = sizing.row_chunks(total, chunk)
     sizes = [b - a for a, b in ranges]
     assert ranges[0][0] == 0 and ranges[-1][1] == total and sum(sizes) == total
-    assert min(sizes) >= sizing.EXACT_MIN_ROWS or ranges == [(0, total)]
+    assert min(sizes) >= floors.EXACT_MIN_ROWS or ranges == [(0, total)]
     # larger than asked only by less than the floor, and only when the floor forced it
-    assert max(sizes) < max(chunk, 2 * sizing.EXACT_MIN_ROWS)
+    assert max(sizes) < max(chunk, 2 * floors.EXACT_MIN_ROWS)
     assert sizing.largest_chunk_rows(total, chunk) == max(sizes)
 
 
@@ -184,9 +188,9 @@ def test_head_groups_balance_and_keep_the_exactness_floor(heads, group, tokens, 
     assert [b - a for a, b in ranges] == expected
     assert ranges[0][0] == 0 and ranges[-1][1] == heads
     calls = len(ranges)
-    if group >= sizing.EXACT_MIN_HEADS and calls > 1:
+    if group >= floors.EXACT_MIN_HEADS and calls > 1:
         tiles = sizing.query_tiles(tokens)
-        assert min(expected) * tiles >= sizing.MIN_QUERY_TILES_PER_CALL
+        assert min(expected) * tiles >= floors.MIN_QUERY_TILES_PER_CALL
     assert sizing.largest_head_group(heads, group, tokens) == (0 if calls == 1 else max(expected))
 
 

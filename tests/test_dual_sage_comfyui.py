@@ -35,6 +35,7 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu import chunking, offload
+from h3_multigpu.common import floors as common_floors
 from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage
 from h3_multigpu.dual_sage import sharded as sharded_module
 from h3_multigpu.kernels import AttentionBackend, Constraints, mark_unavailable
@@ -251,7 +252,7 @@ def test_sage_node_and_dual_sage_compose_on_comfyui(order, counting_backend):
 
 def test_uneven_head_groups_of_chunking_share_one_workspace(monkeypatch):
     # the GPU's split-KV rule (enough query tiles per call) scaled to this ~50-row sequence
-    monkeypatch.setattr(chunking.sizing, "MIN_QUERY_TILES_PER_CALL", 1)
+    monkeypatch.setattr(common_floors, "MIN_QUERY_TILES_PER_CALL", 1)
     config = TinyH3Config(heads=13, adaln="full")
     patcher = make_tiny_h3(config, seed=0)
     inputs = make_inputs(config, audio_mask=True)

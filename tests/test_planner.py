@@ -3,6 +3,7 @@ import struct
 
 import pytest
 
+from h3_multigpu.chunking.sizing import Kernels
 from h3_multigpu.cli import main
 from h3_multigpu.common import geometry
 from h3_multigpu.planner import (
@@ -82,15 +83,22 @@ def test_dual_sage_helps_more_on_longer_sequences():
 
 
 def test_activation_model_unchunked_per_token():
+    e, c, i, f = 2, geometry.HIDDEN, geometry.INNER, geometry.FFN  # bf16 bytes, widths
     peak = block_activation_peak(1000, BlockDims())
-    # x + h + fc1 + silu + product (the twin's SwiGLU) per token, bf16
-    assert peak.mlp_bytes == 1000 * (2 * 10_752 + 57_344 + 2 * 28_672)
-    # x + h + qkv + attention output + the kernel's fp32 log-sum-exp per head
-    assert peak.attention_bytes == 1000 * (2 * 10_752 + 43_008 + 14_336 + 56 * 4)
-    lora = block_activation_peak(1000, BlockDims(), lora_on_activations=True)
-    # the LoRA adds an output-sized [S, 3I] next to the projection (and its [S, r] down output)
-    assert lora.attention_bytes >= 1000 * (2 * 10_752 + 2 * 43_008)
-    assert lora.attention_bytes - peak.attention_bytes >= 1000 * (43_008 - 14_336)
+    # upstream's MLP (ComfyUI's linear_input_act): x + h + fc1 (held through fc2) + the SwiGLU
+    # product + fc2's output, per token
+    assert peak.mlp_bytes == 1000 * e * (2 * c + 2 * f + f + c)
+    # x + h + qkv + the attention output and its reshape copy (ComfyUI's attention functions)
+    assert peak.attention_bytes == 1000 * e * (2 * c + 3 * i + 2 * i)
+    # the official INT8 ConvRot file: the product lives as int8 [S, F] inside the fused fc2
+    int8 = block_activation_peak(1000, BlockDims(),
+                                 kernels=Kernels.of(weight_format="int8_convrot"))
+    assert int8.mlp_bytes == 1000 * (e * (2 * c + 2 * f + c) + f)
+    assert int8.attention_bytes == peak.attention_bytes
+    lora = block_activation_peak(1000, BlockDims(), lora_on_activations=True, lora_rank=128)
+    # the LoRA adds an output-sized [S, 3I] next to the projection (and its [S, r] down output):
+    # the attention phase's peak moves to the projection
+    assert lora.attention_bytes == 1000 * e * (2 * c + 2 * 3 * i + 128)
 
 
 def test_chunking_lowers_peak_and_choose_chunks_respects_budget():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from h3_multigpu.chunking.sizing import Adapters, Kernels
 from h3_multigpu.common import geometry
 from h3_multigpu.planner import PlanRequest, get_profile, plan_job
 from h3_multigpu.planner.attention import resolve_attention
@@ -21,7 +22,7 @@ from h3_multigpu.planner.hardware import (
     spec_for_name,
 )
 from h3_multigpu.planner.layout import GPUPlan, PhaseMemory, plan_memory
-from h3_multigpu.planner.memory import BlockDims, ChunkSettings
+from h3_multigpu.planner.memory import BlockDims, ChunkSettings, block_activation_peak
 from h3_multigpu.planner.modes import (
     MIN_SPARE_BYTES,
     DiTContext,
@@ -32,6 +33,7 @@ from h3_multigpu.planner.placement import place, reserve_bytes
 from h3_multigpu.planner.residency import plan_loader
 from h3_multigpu.planner.timing import JobTime, duration, gpu_rates
 from h3_multigpu.planner.verdict import check_memory
+from h3_multigpu.sequence import sizing as sequence_sizing
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +57,9 @@ def context(**job) -> DiTContext:
                           tokens=tokens["pass2"])
     return DiTContext(request=request, profile=profile, placement=placement, sizes=sizes,
                       loader=plan_loader(request, profile), attention=attention, rates=rates,
-                      dims=BlockDims(element_bytes=2), dual=dual, shapes=shapes, tokens=tokens)
+                      dims=BlockDims(element_bytes=2),
+                      kernels=Kernels.of(weight_format=request.dit_weight_format), dual=dual,
+                      shapes=shapes, tokens=tokens)
 
 
 # ------------------------------------------------------------------ 1. request
@@ -180,7 +184,16 @@ def test_modes_are_chosen_with_the_memory_each_mode_has():
     # the sequence mode's own memory: half the activations, so every block stays resident
     assert pass2.fits and pass2.prefetch.streamed_blocks == 0
     one_gpu = decision.single["pass2"]
-    assert one_gpu.memory.root_activation_bytes > 1.6 * pass2.memory.root_activation_bytes
+    # each mode's peak is its own model's with the job's kernels (the INT8 block's, as run)
+    tokens = ctx.tokens["pass2"]
+    adapters = Adapters.turbo_lora(ctx.request.lora_rank)
+    seq = sequence_sizing.sequence_memory(tokens, ctx.seq_heads, row_weights=ctx.row_weights,
+                                          adapters=adapters, kernels=ctx.kernels)
+    alone = block_activation_peak(tokens, ctx.dims, lora_on_activations=True,
+                                  lora_rank=ctx.request.lora_rank, kernels=ctx.kernels)
+    assert ctx.kernels == Kernels.of(weight_format="int8_convrot")
+    assert pass2.memory.root_activation_bytes == seq[0].peak
+    assert one_gpu.memory.root_activation_bytes == alone.peak_bytes > seq[0].peak
     assert one_gpu.prefetch.streamed_blocks > 0  # one GPU would have to stream
     assert decision.parallel.passes["pass2"].options_s.keys() == {"off", "heads", "sequence"}
 
