@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from ..comfy_seam import names, protocol
+from ..common.formats import block_adapter_ranks, block_floors, block_linears
 from .config import ChunkingConfig
-from .formats import block_adapter_ranks, block_floors, block_linears
 from .report import ChunkingReport
 from .wrappers import WRAPPED, BlockChunker, ChunkingRuntime, HeadGroups
 

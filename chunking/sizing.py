@@ -11,11 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..common import floors as common_floors
-
-# sequence/split.py still imports these two from here; their home is common.floors, which the
-# code here reads at call time (a test scales the floors there)
-from ..common.floors import EXACT_MIN_ROWS, MIN_QUERY_TILES_PER_CALL  # noqa: F401
-from .block_memory import (  # noqa: F401
+from ..common.block_memory import (  # noqa: F401
     LSE_BYTES,
     MLP_KERNELS,
     Adapters,
@@ -29,7 +25,11 @@ from .block_memory import (  # noqa: F401
     mlp_phase_peak_bytes,
     unchunked_block_peak_bytes,
 )
-from .exactness import (  # noqa: F401
+
+# sequence/split.py still imports these two from here; their home is common.floors, which the
+# code here reads at call time (a test scales the floors there)
+from ..common.floors import EXACT_MIN_ROWS, MIN_QUERY_TILES_PER_CALL  # noqa: F401
+from ..common.row_exactness import (  # noqa: F401
     RowFloors,
     exactness_note,
     floors_or_planned,
@@ -38,7 +38,7 @@ from .exactness import (  # noqa: F401
     planned_floors,
     row_reasons,
 )
-from .rows import (  # noqa: F401
+from ..common.rows import (  # noqa: F401
     ROW_ALIGN,
     head_groups,
     largest_chunk_rows,

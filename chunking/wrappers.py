@@ -43,9 +43,9 @@ from ..comfy_seam import names
 from ..comfy_seam.memory import free_vram_bytes
 from ..comfy_seam.protocol import override_of
 from ..common import floors as common_floors
+from ..common.formats import block_adapter_ranks, block_floors, block_linears, skipped_adapter_note
 from . import sizing
 from .config import AUTO, ChunkingConfig
-from .formats import block_adapter_ranks, block_floors, block_linears, skipped_adapter_note
 from .report import ChunkingReport, RowPlan
 
 log = logging.getLogger(__name__)

@@ -40,19 +40,19 @@ from typing import Any
 
 import torch
 
-from ..chunking.formats import (
-    block_adapter_ranks,
-    device_name,
-    is_nvidia,
-    linear_shape,
-    skipped_adapter_note,
-)
 from ..comfy_seam import clones as comfy_clones
 from ..comfy_seam import names, protocol
 from ..comfy_seam.devices import root_device
 from ..comfy_seam.h3 import forward_options, in_training, weight_format
 from ..comfy_seam.memory import is_dynamic
 from ..common import exact_rows
+from ..common.formats import (
+    block_adapter_ranks,
+    device_name,
+    is_nvidia,
+    linear_shape,
+    skipped_adapter_note,
+)
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
 from . import plan, policy, status

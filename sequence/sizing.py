@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..chunking import sizing as block_sizing
+from ..common import block_memory as block_sizing
 from ..common import geometry
 from ..common.split import split_by_weights
 from ..common.split_time import predict_split_ms

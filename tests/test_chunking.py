@@ -12,10 +12,10 @@ from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 from twin.adapters import attach_activation_lora
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, get_chunking, sizing
-from h3_multigpu.chunking.formats import activation_adapters
 from h3_multigpu.chunking.wrappers import project_rows
 from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common import floors as common_floors
+from h3_multigpu.common.formats import activation_adapters
 
 BF16 = torch.bfloat16
 

@@ -38,12 +38,12 @@ from h3_multigpu.chunking import (
     get_chunking,
     sizing,
 )
-from h3_multigpu.chunking.formats import activation_adapters
 from h3_multigpu.comfy_seam import h3 as seam_h3
 from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.comfy_seam.h3 import weight_format
 from h3_multigpu.common import exact_rows
 from h3_multigpu.common import floors as common_floors
+from h3_multigpu.common.formats import activation_adapters
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui", "two_cpu_threads")]
 

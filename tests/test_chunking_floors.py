@@ -274,7 +274,7 @@ def test_a_gpu_without_measured_floors_is_exact_only_as_assumed(tiny_config, mon
     carried over from the measured GPUs: the status says "exact as assumed" and names it."""
     gpu = "AMD Radeon AI PRO R9700"
     table = exact_rows.GemmTable(gpu, "bfloat16", {}, "fake (test)")
-    monkeypatch.setattr("h3_multigpu.chunking.formats.device_name", lambda device: gpu)
+    monkeypatch.setattr("h3_multigpu.common.formats.device_name", lambda device: gpu)
     monkeypatch.setattr(exact_rows, "table_for",
                         lambda device, dtype: table if listed and device == gpu else None)
     monkeypatch.setattr(common_floors, "EXACT_MIN_ROWS", 8)
@@ -405,8 +405,9 @@ def test_weight_format_reads_the_layout(layout, params, input_scale, expected):
 def test_a_never_split_weight_format_keeps_its_phase_whole(monkeypatch, tiny_config):
     """fc1 in NVFP4 without input_scale (a per-tensor activation scale): its phase runs whole
     whatever is asked or free, and the status says why; the other phase still chunks."""
-    from h3_multigpu.chunking import formats, wrappers
+    from h3_multigpu.chunking import wrappers
     from h3_multigpu.comfy_seam import h3 as seam_h3
+    from h3_multigpu.common import formats
 
     real = seam_h3.weight_format
     model = make_twin(tiny_config, dtype=BF16, seed=3)

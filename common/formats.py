@@ -10,7 +10,7 @@ import torch
 from ..comfy_seam import h3 as seam_h3
 from ..common import exact_rows
 from ..common import floors as common_floors
-from . import sizing
+from .row_exactness import RowFloors
 
 
 def block_linears(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -70,7 +70,7 @@ def linear_shape(linear: torch.nn.Module) -> tuple[int, int]:
 
 def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtype: torch.dtype,
                  ranks: dict[str, tuple[int, ...]],
-                 formats: dict[str, str] | None = None) -> sizing.RowFloors:
+                 formats: dict[str, str] | None = None) -> RowFloors:
     """Row floors of a block's two chunked phases, from its linears' shapes, weight formats
     (default: read off the weights) and the ranks of the adapters that run on them."""
     name = device_name(device)
@@ -90,4 +90,4 @@ def block_floors(linears: dict[str, torch.nn.Module], device: torch.device, dtyp
         f"{name} {dtype_name} is not in chunking/exact_rows.json: row chunks of >= "
         f"{common_floors.EXACT_MIN_ROWS:,} rows are taken as exact, as measured on other GPUs; "
         "dev/bench/sweep_chunk_exactness.py measures this one")
-    return sizing.RowFloors.of_rules(found["qkv"], found["ffn"], assumed=assumed)
+    return RowFloors.of_rules(found["qkv"], found["ffn"], assumed=assumed)

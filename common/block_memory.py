@@ -38,7 +38,7 @@ from typing import Any
 
 from ..comfy_seam import h3 as seam_h3
 from ..common import geometry
-from .exactness import RowFloors, floors_or_planned
+from .row_exactness import RowFloors, floors_or_planned
 from .rows import largest_chunk_rows, largest_head_group
 
 MLP_KERNELS = ("twin", "comfy", "comfy_int8")
