@@ -22,7 +22,6 @@ BLOCK_ROPE = "rope_freqs"  # args: the RoPE rotation table, one row per token
 BLOCK_ATTENTION = "attention"  # args (newest files): an attention module passed to the block
 ORIGINAL_BLOCK = "original_block"  # extra: upstream's block as a patch-style call
 MULTIGPU_CLONES = "multigpu"  # additional-models key of ComfyUI's CFG-split per-GPU clones
-WRAPPERS = "wrappers"  # transformer_options key of the wrappers ComfyUI copies per call
 PREFETCH_DYNAMIC_VBARS = "prefetch_dynamic_vbars"  # DynamicVRAM's per-call block prefetch flag
 
 # ---------------------------------------------------------------- object patches

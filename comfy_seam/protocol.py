@@ -27,6 +27,9 @@ ComfyUI copies with the options). A line that becomes truer once the model runs 
 chunks really were, a run-time refusal) passes `live`, its state's method returning the line
 as it is now: it is kept in the feature's install record (shared by every clone made
 afterwards), and `status_lines`, the one reader, calls it at read time. Nobody rewrites a line.
+
+One module (a little over 400 lines) on purpose: the install record and the chain links are
+private to it, and install, remove, find and describe read and write them together.
 """
 
 from __future__ import annotations
@@ -167,12 +170,6 @@ def block_patches(patcher_or_options: Any) -> dict:
     return dict(to.get(names.PATCHES_REPLACE, {}).get(names.DIT_PATCH, {}))
 
 
-def forward_wrappers(forward_options: dict, wrapper_type: str) -> dict[str, list]:
-    """{key: [wrapper, ...]} of one type in a forward's transformer_options (ComfyUI copies
-    the patcher's wrappers there per call, under "wrappers": 0.33.0 and the newest files)."""
-    return forward_options.get(names.WRAPPERS, {}).get(wrapper_type, {})
-
-
 def override_of(patcher_or_options: Any) -> Any:
     """The attention override installed now (of a patcher or of a forward's options), or None."""
     return _options_of(patcher_or_options).get(names.OVERRIDE_KEY)
@@ -209,10 +206,10 @@ def live(feature: str) -> list[Any]:
 
 # ---------------------------------------------------------------- status
 def record_status(patcher: Any, feature: str, line: str,
-                  live: Callable[[], str] | None = None) -> dict:
+                  live: Callable[[], str] | None = None) -> None:
     """Write `feature`'s status line on a patcher (a fresh dict: a clone never writes into the
     one its parent shares). live: the line as it is now, called by `status_lines` at read time
-    (a feature installed on this patcher only). Returns the status dict written."""
+    (a feature installed on this patcher only)."""
     to = options(patcher)
     to[names.STATUS_KEY] = {**to.get(names.STATUS_KEY, {}), feature: line}
     if live is not None:
@@ -222,7 +219,6 @@ def record_status(patcher: Any, feature: str, line: str,
             raise ValueError(f"a live status line needs {feature} installed on this patcher")
         entries[last] = dataclasses.replace(entries[last], status=live)
         to[names.SEAM_KEY] = tuple(entries)
-    return to[names.STATUS_KEY]
 
 
 def status_lines(patcher: Any) -> dict[str, str]:

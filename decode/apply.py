@@ -39,9 +39,10 @@ from ..comfy_seam import interrupts, models, names, protocol
 from ..comfy_seam.memory import is_dynamic
 from ..common.devices import parse_devices, validate_devices
 from . import sizing
-from .executor import DecodeReport, DeviceShare, NotFollowed, SplitDecode
+from .executor import SplitDecode
 from .release import check_splittable, release_shape
 from .replica import CloneMissing, check_replicable, comfy_clone, replica_bytes
+from .shares import DecodeReport, DeviceShare, NotFollowed
 from .windows import WindowLayout, assign_windows, parse_weights
 
 log = logging.getLogger("h3_multigpu")

@@ -33,136 +33,24 @@ Legend: B batch, C=3 channels, F frames, H x W pixels; z_BCTHW is the latent.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..comfy_seam import vae
 from ..comfy_seam.devices import device_context
 from ..comfy_seam.interrupts import is_interrupt
 from ..exchange.streams import current_stream, new_stream, on_streams, record, wait
-from .replica import drop_restored_methods, make_replica
+from .replica import make_replica
+from .shares import DecodeReport, DeviceShare, NotFollowed
+from .window_range import Stopped, WindowRange
 from .windows import WindowLayout
 
 log = logging.getLogger("h3_multigpu")
-
-
-@dataclass
-class DeviceShare:
-    """One device's part: its windows [start, stop) and the model that decodes them there.
-
-    model: the root's loaded model, a helper's model that ComfyUI loaded there (its multi-GPU
-    clone), or None: a copy of the root's model is made on `device` (`decode.replica`).
-    """
-
-    device: torch.device
-    windows: tuple[int, int]
-    model: nn.Module | None = None
-
-    @property
-    def count(self) -> int:
-        return self.windows[1] - self.windows[0]
-
-
-@dataclass
-class DecodeReport:
-    """What one split decode did (for the status line, the tests and the benchmark)."""
-
-    devices: list[str]
-    windows: list[tuple[int, int]]
-    seconds: float = 0.0
-    copy_seconds: dict[str, float] = field(default_factory=dict)  # decoder copy per helper
-    failed: dict[str, str] = field(default_factory=dict)  # helper -> error, its windows redone
-    handovers: int = 0  # cuts cross-faded from the pieces of two ranges (one per cut)
-    tile_batches: dict[int, tuple[int, ...]] = field(default_factory=dict)  # window -> calls
-
-    @property
-    def same_tile_batches(self) -> bool:
-        """Every window decoded with the same tile batches (the one-device decode's pattern)."""
-        return len(set(self.tile_batches.values())) <= 1
-
-    def describe(self) -> str:
-        pairs = zip(self.devices, self.windows, strict=True)
-        parts = [f"{d} windows {a}-{b - 1}" for d, (a, b) in pairs if b > a]
-        text = f"decoded on {len(parts)} device(s): " + ", ".join(parts)
-        if self.failed:
-            text += "; " + "; ".join(f"{d} failed ({e}), its windows redone on the root"
-                                     for d, e in self.failed.items())
-        return text
-
-
-class _Stopped(Exception):
-    """Raised inside a worker's window loop once the decode is stopped (interrupt, root error)."""
-
-
-class NotFollowed(RuntimeError):
-    """The VAE's window loop did not behave as the split follows it (a release it does not
-    know): the caller decodes the whole clip on the root with the model's own loop."""
-
-
-class _Range:
-    """One range of windows on one device: the model's own `decode_temporal` on a view of the
-    device's model whose `_adaptive_decode`, `_decode_pixels` and `_finalize_pixels` are wrapped
-    to count windows, record tile batches and keep the two boundary pieces. The wrappers call
-    the class's own methods with the same arguments and return their results unchanged."""
-
-    def __init__(self, run: SplitDecode, model: nn.Module, windows: tuple[int, int],
-                 on_window: Callable[[int], None]) -> None:
-        self.run, self.windows, self.on_window = run, windows, on_window
-        self.cls = type(model)
-        view = copy.copy(model)  # shares every module and tensor; our wrappers live on it only
-        drop_restored_methods(view, model)
-        vae.drop_loop_patch(view)  # our own object patch, when on the root
-        view._adaptive_decode = self._adaptive_decode
-        view._decode_pixels = self._decode_pixels
-        view._finalize_pixels = self._finalize_pixels
-        self.view = view
-        self.done = 0  # windows decoded so far
-        self.window: int | None = None  # the window being decoded (for the tile batches)
-        self.first_part: torch.Tensor | None = None  # the first head, raw, before any blend
-        self.last_part: torch.Tensor | None = None  # the last part of the last window
-        self.last_window_parts = 0  # parts of the last window (2: a head and a tail)
-
-    @property
-    def count(self) -> int:
-        return self.windows[1] - self.windows[0]
-
-    def _adaptive_decode(self, clip: torch.Tensor) -> torch.Tensor:
-        if self.run.stop.is_set():
-            raise _Stopped()
-        self.window = self.windows[0] + self.done
-        out = self.cls._adaptive_decode(self.view, clip)
-        self.window = None
-        self.done += 1
-        self.on_window(self.windows[0] + self.done - 1)
-        return out
-
-    def _decode_pixels(self, z: torch.Tensor) -> torch.Tensor:
-        self.run.record_call(self.window, int(z.shape[0]))
-        return self.cls._decode_pixels(self.view, z)
-
-    def _finalize_pixels(self, part: torch.Tensor) -> torch.Tensor:
-        if self.first_part is None and self.windows[0] > 0:
-            self.first_part = part.clone()  # a view would keep the whole window alive
-        if self.done == self.count:
-            self.last_window_parts += 1
-            self.last_part = part
-        return self.cls._finalize_pixels(self.view, part)
-
-    def decode(self, z_BCTHW: torch.Tensor, output: torch.Tensor) -> None:
-        self.cls.decode_temporal(self.view, z_BCTHW, output)
-
-    @property
-    def tail(self) -> torch.Tensor | None:
-        """The last window's tail (None when the model keeps no tails)."""
-        return self.last_part if self.last_window_parts >= 2 else None
 
 
 class SplitDecode:
@@ -288,9 +176,9 @@ class SplitDecode:
         return model, z_local
 
     def _decode_range(self, k: int, model: nn.Module, device: torch.device,
-                      z_BCTHW: torch.Tensor, on_window: Callable[[int], None]) -> _Range:
+                      z_BCTHW: torch.Tensor, on_window: Callable[[int], None]) -> WindowRange:
         """Share k's windows with `model` on `device`; z_BCTHW is the latent range there."""
-        part = _Range(self, model, self.shares[k].windows, on_window)
+        part = WindowRange(self, model, self.shares[k].windows, on_window)
         part.decode(z_BCTHW, self._output_part(k))
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # every write of the range is done
@@ -309,7 +197,7 @@ class SplitDecode:
                 part = self._decode_range(k, model, share.device, z_range,
                                           lambda i: events.put(("window", k, i)))
             events.put(("done", k, part))
-        except _Stopped:
+        except Stopped:
             pass
         except BaseException as exc:
             # a helper's comfy op may be the one that sees (and clears) ComfyUI's cancel: it
@@ -407,7 +295,7 @@ class SplitDecode:
                     self._parts[0] = self._decode_range(0, root.model, root.device,
                                                         z_BCTHW[:, :, lo:hi], self._root_window)
             except BaseException as exc:
-                if exc is not self._interrupt and not isinstance(exc, _Stopped):
+                if exc is not self._interrupt and not isinstance(exc, Stopped):
                     root_error = exc
                 self.stop.set()  # the helpers stop after their current window
         while self._alive:
@@ -427,7 +315,7 @@ class SplitDecode:
         self.report.seconds = time.perf_counter() - started
         return self.report
 
-    def _blend_cuts(self, parts: dict[int, _Range]) -> None:
+    def _blend_cuts(self, parts: dict[int, WindowRange]) -> None:
         """Each cut's head written again as the model's loop writes it: the previous range's
         tail cross-faded into it (`blend`, `_finalize_pixels`: the model's own, elementwise),
         on the root. NotFollowed (before any write) when a range that wrote past its cut did

@@ -108,7 +108,6 @@ class SequenceParallel(HelperLifecycle):
         self.steps = {"sequence": 0, "heads": 0, "off": 0, "fallback": 0}
         self.blocks_run = 0  # blocks run split, over the model's life (runners come and go)
         self.notes: dict[str, None] = {}  # run-time refusals the status line names
-        self.sinks: list[dict] = []  # status dicts the line was written to
         self._floors: dict[tuple, tuple[int | None, str, int | None]] = {}
 
     @property
@@ -210,10 +209,7 @@ class SequenceParallel(HelperLifecycle):
         if text in self.notes:
             return
         self.notes[text] = None
-        status.warn_once(text)
-        line = self.status()
-        for sink in self.sinks:
-            sink[FEATURE] = line
+        status.warn_once(text)  # the status line reads the notes live (`record_status`)
 
     def status(self) -> str:
         return status.status_line(self)
@@ -393,8 +389,8 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
         protocol.wrapper(names.OUTER_SAMPLE, mode.outer_sample_wrapper()),
         protocol.callback(names.ON_DETACH, lambda *a, **k: mode.release()),
         state=mode)
-    # run-time refusals rewrite the line there
-    mode.sinks.append(protocol.record_status(patched, FEATURE, mode.status()))
+    # live: run-time refusals show in the line as soon as they happen
+    protocol.record_status(patched, FEATURE, mode.status(), live=mode.status)
     return patched
 
 

@@ -86,7 +86,7 @@ def test_comfyui_streams_and_the_prefetcher_says_so(cfg):
     ref = run_like_sampler(base, data, sigmas=SIGMAS)  # stock ComfyUI under DynamicVRAM
     assert torch.device(DEV) in base.model.dynamic_vbars  # ComfyUI's VBAR on the device
     patched = apply_block_prefetch(base, PrefetchConfig(resident_blocks=2))
-    line = patched.model_options["transformer_options"]["h3_multigpu"]["prefetch"]
+    line = protocol.status_lines(patched)["prefetch"]
     assert line.startswith("off: ComfyUI's DynamicVRAM streams this model's weights")
     assert f"streaming: ComfyUI DynamicVRAM (comfy-aimdo VBAR on {DEV}" in line
     assert "make_prefetch_queue" in line or "block prefetch is off" in line

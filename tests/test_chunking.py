@@ -290,11 +290,11 @@ def test_apply_clones_and_records_status(bf16_twin):
     # chunking's own hooks only: the device guard is the composer's (the nodes' glue)
     assert [(r.feature, r.kind, r.where) for r in protocol.describe(patched)] == [
         ("chunking", "wrapper", "diffusion_model")]
-    status = patched.model_options["transformer_options"]["h3_multigpu"]["chunking"]
+    status = protocol.status_lines(patched)["chunking"]
     assert "ffn 16384 rows" in status and "blocks 0,2" in status and "qkv off" in status
     off = apply_activation_chunking(base, ChunkingConfig())
     assert not get_chunking(off).chunkers
-    assert off.model_options["transformer_options"]["h3_multigpu"]["chunking"] == "off"
+    assert protocol.status_lines(off)["chunking"] == "off"
     # applied again: the new settings replace the old, one chunking wrapper, one override
     again = apply_activation_chunking(patched, ChunkingConfig(qkv_chunk=8, head_group=4))
     assert sorted(get_chunking(again).chunkers) == [0, 1, 2]

@@ -22,9 +22,10 @@ from h3_multigpu.decode.apply import (
     apply_multi_gpu_decode,
     find_patch,
 )
-from h3_multigpu.decode.executor import DecodeReport, DeviceShare, SplitDecode
+from h3_multigpu.decode.executor import SplitDecode
 from h3_multigpu.decode.release import check_splittable
 from h3_multigpu.decode.replica import check_replicable, make_replica
+from h3_multigpu.decode.shares import DecodeReport, DeviceShare
 
 CPU = torch.device("cpu")
 

@@ -15,7 +15,8 @@ import torch
 from decode_standin import StandInVideoVAE
 
 from h3_multigpu.decode import WindowLayout, assign_windows
-from h3_multigpu.decode.executor import DeviceShare, SplitDecode
+from h3_multigpu.decode.executor import SplitDecode
+from h3_multigpu.decode.shares import DeviceShare
 
 pytestmark = pytest.mark.multi_gpu
 

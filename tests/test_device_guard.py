@@ -267,7 +267,8 @@ def test_real_sampler_runs_the_dit_and_refiner_with_the_load_device_current(reco
         if feature == "placement":
             guarded = guard_diffusion_model(patcher.clone())
         else:
-            guarded = apply_activation_chunking(patcher, ChunkingConfig(ffn_chunk=7))
+            # the nodes' path: the feature, then the guard the glue composes around it
+            guarded = apply_from_strings(patcher, "chunking", ffn_chunk="7")
         out = run_like_sampler(guarded, inputs)
     finally:
         h3.optimized_attention = original

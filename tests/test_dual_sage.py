@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from twin import AttentionTensorContainer, TwinPatcher
 
 from h3_multigpu import chunking
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common.devices import parse_devices
 from h3_multigpu.common.exactness import ExactRange, derive_per_sm
 from h3_multigpu.dual_sage import (
@@ -328,7 +329,7 @@ def test_twin_output_is_bit_identical(tiny_twin, tiny_inputs, helpers, split):
     out = patched.apply_model(*tiny_inputs)
     assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])
     assert shard_of(patched).routes["split"] == 4  # the twin's refiner, then three blocks
-    status = patched.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
+    status = protocol.status_lines(patched)["dual_sage"]
     assert "Dual-Sage on" in status and "ComfyUI's attention" in status
     assert "exact" in status
     assert "h3_multigpu" not in base.model_options["transformer_options"]  # parent untouched
@@ -384,7 +385,7 @@ def test_existing_override_is_chained_and_keeps_priority(tiny_twin, tiny_inputs)
     assert seen == [(16, 8, True), (44, 8, True), (44, 8, True), (44, 8, True)]
     assert shard_of(patched).routes["split"] == 4
     assert torch.equal(out[0], TwinPatcher(tiny_twin).apply_model(*tiny_inputs)[0])
-    assert "chained" in patched.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
+    assert "chained" in protocol.status_lines(patched)["dual_sage"]
 
 
 def test_override_handles_containers_layouts_and_unknown_kwargs(tiny_twin):
@@ -485,7 +486,7 @@ def test_sage_node_and_dual_sage_compose_in_either_order(tiny_twin, tiny_inputs,
     assert shard.routes["split"] == 4
     # the counting backend is SDPA itself: the same bits as the plain twin
     assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])
-    lines = patched.model_options["transformer_options"]["h3_multigpu"]
+    lines = protocol.status_lines(patched)
     assert "test_counting" in lines["dual_sage"] and "test_counting" in lines["attention"]
 
 

@@ -35,6 +35,7 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu import chunking, offload
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common import floors as common_floors
 from h3_multigpu.dual_sage import DualSageConfig, apply_dual_sage
 from h3_multigpu.dual_sage import sharded as sharded_module
@@ -87,7 +88,7 @@ def test_equals_unpatched_with_comfyuis_default_attention(weights):
     assert calls.default == CONFIG.refiner_blocks + CONFIG.blocks * SUBSETS
     assert shard.workspace_allocations >= 1
     assert shard.workspace_bytes() == 0  # ComfyUI's cleanup after sampling freed them
-    status = patched.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
+    status = protocol.status_lines(patched)["dual_sage"]
     assert "exact: yes" in status and "subsets of >= 2 heads" in status, status
 
 
@@ -246,7 +247,7 @@ def test_sage_node_and_dual_sage_compose_on_comfyui(order, counting_backend):
     out = run_like_sampler(patched, inputs)
     assert same(out, single)  # the Sage kernel on one GPU, bit for bit
     assert counting_backend == [3, 3, 2] * CONFIG.blocks and shard.routes["split"] == CONFIG.blocks
-    lines = patched.model_options["transformer_options"]["h3_multigpu"]
+    lines = protocol.status_lines(patched)
     assert "test_counting" in lines["dual_sage"] and "test_counting" in lines["attention"]
 
 

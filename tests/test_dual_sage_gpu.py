@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common.exactness import ExactRange
 from h3_multigpu.dual_sage import (
     DualSageConfig,
@@ -183,5 +184,5 @@ def test_twin_on_two_gpus_is_bit_identical_and_root_is_current():
     exact = ExactRange.load()
     assert all(exact.min_heads(ROOT, s, torch.bfloat16, 64) <= 4 for s in lengths), lengths
     assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])
-    status = patched.model_options["transformer_options"]["h3_multigpu"]["dual_sage"]
+    status = protocol.status_lines(patched)["dual_sage"]
     assert "cuda:1" in status and "cuda:0" in status and "transport peer" in status

@@ -6,6 +6,7 @@ import pytest
 import torch
 from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common.block_weights import module_bytes
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
 
@@ -197,7 +198,7 @@ def test_status_is_recorded_without_touching_the_parent(twin6):
     base = TwinPatcher(model)
     base.model_options["transformer_options"]["h3_multigpu"] = {"chunking": "on"}
     patched = apply_block_prefetch(base, PrefetchConfig(resident_blocks=2, lookahead=3))
-    status = patched.model_options["transformer_options"]["h3_multigpu"]
+    status = protocol.status_lines(patched)
     assert status["chunking"] == "on"
     assert "2/6 blocks resident" in status["prefetch"] and "look-ahead 3" in status["prefetch"]
     assert "prefetch" not in base.model_options["transformer_options"]["h3_multigpu"]
@@ -242,5 +243,5 @@ def test_auto_on_a_cpu_root_keeps_every_block_resident(twin6, twin6_reference):
     assert same(patched.apply_model(*inputs), twin6_reference)
     prefetch = get_block_prefetch(patched)
     assert prefetch.resident == tuple(range(6)) and not prefetch.streamed_ids
-    assert "resident auto" in patched.model_options["transformer_options"]["h3_multigpu"][
+    assert "resident auto" in protocol.status_lines(patched)[
         "prefetch"]

@@ -25,6 +25,7 @@ from comfyui_h3 import (
     with_lora,
 )
 
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common.arena import HostArena, live_host_bytes
 from h3_multigpu.common.block_weights import leaves_of
 from h3_multigpu.offload import PrefetchConfig, apply_block_prefetch, get_block_prefetch
@@ -324,7 +325,7 @@ def test_dynamic_vram_patcher_is_left_to_comfyui():
     dynamic.is_dynamic = lambda: True  # what ComfyUI's ModelPatcherDynamic answers
     patched = apply_block_prefetch(dynamic, STREAM)
     assert get_block_prefetch(patched) is None
-    line = patched.model_options["transformer_options"]["h3_multigpu"]["prefetch"]
+    line = protocol.status_lines(patched)["prefetch"]
     assert line.startswith("off: ComfyUI's DynamicVRAM")
     assert same(run_like_sampler(patched, inputs), ref)
 
@@ -332,5 +333,5 @@ def test_dynamic_vram_patcher_is_left_to_comfyui():
 def test_status_line_says_who_streams():
     base = make_tiny_h3(CFG, seed=0)
     patched, _ = prefetched(base)
-    line = patched.model_options["transformer_options"]["h3_multigpu"]["prefetch"]
+    line = protocol.status_lines(patched)["prefetch"]
     assert "streaming: this prefetcher" in line and "token refiner streamed once" in line

@@ -25,6 +25,7 @@ from comfyui_h3 import (
 )
 
 from h3_multigpu.comfy_seam import memory as comfy_memory
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common.block_weights import module_bytes
 from h3_multigpu.offload import (
     PrefetchConfig,
@@ -223,7 +224,7 @@ def test_status_names_comfyuis_pin_budget(monkeypatch):
     cfg = TinyH3Config(blocks=6)
     base = make_tiny_h3(cfg, seed=0)
     patched = apply_block_prefetch(base, PrefetchConfig(resident_blocks=1))
-    line = patched.model_options["transformer_options"]["h3_multigpu"]["prefetch"]
+    line = protocol.status_lines(patched)["prefetch"]
     assert "pinned budget ComfyUI's pin budget 40.0 GiB (2.0 GiB pinned now)" in line, line
     assert get_block_prefetch(patched).pinned_budget_bytes is None  # ComfyUI's, read when pinning
     ref = run_like_sampler(base, make_inputs(cfg))

@@ -20,6 +20,7 @@ import torch
 from twin import TwinConfig, TwinPatcher, make_inputs, make_twin
 from twin import model as twin_model
 
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.exchange.mode import PARALLEL_KEY
 from h3_multigpu.sequence import (
     SequenceParallelConfig,
@@ -133,7 +134,7 @@ def test_a_one_head_share_runs_single_threaded_only():
     assert same(patched.apply_model(*inputs), reference)
     mode = get_sequence_parallel(patched)
     assert mode.steps == {"sequence": 0, "heads": 0, "off": 1, "fallback": 0}
-    status = patched.model_options["transformer_options"]["h3_multigpu"]["sequence"]
+    status = protocol.status_lines(patched)["sequence"]
     assert "a device attends 1 head(s)" in status and "needs >= 2 heads" in status
     torch.set_num_threads(1)
     reference = TwinPatcher(model).apply_model(*inputs)
@@ -209,7 +210,7 @@ def test_short_sequences_are_refused_and_run_on_one_gpu(tiny_twin, tiny_inputs):
     mode = get_sequence_parallel(patched)
     assert mode.steps == {"sequence": 0, "heads": 0, "off": 1, "fallback": 0}
     assert "22 rows" in mode.decisions[44].reason and mode.runner is None
-    status = patched.model_options["transformer_options"]["h3_multigpu"]["sequence"]
+    status = protocol.status_lines(patched)["sequence"]
     assert "sequence parallel sequence" in status and ">= 30" in status
 
 

@@ -35,6 +35,7 @@ from comfyui_h3 import (
     with_lora,
 )
 
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.sequence import (
     SequenceParallelConfig,
     apply_sequence_parallel,
@@ -63,7 +64,7 @@ def _sequence(patcher, devices: int = 2, **kwargs):
 
 
 def _status(patcher) -> str:
-    return patcher.model_options["transformer_options"]["h3_multigpu"]["sequence"]
+    return protocol.status_lines(patcher)["sequence"]
 
 
 class BlockForwards:

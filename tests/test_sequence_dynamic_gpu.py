@@ -28,6 +28,7 @@ from comfyui_h3 import (
     with_lora,
 )
 
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.sequence import (
     SequenceParallelConfig,
     apply_sequence_parallel,
@@ -112,7 +113,7 @@ def _check(split, lora, inputs):
     mode = get_sequence_parallel(split)
     assert mode.steps["sequence"] == 1 and mode.steps["fallback"] == 0, mode.steps
     assert mode.blocks_run == CONFIG.blocks and len(mode.bases) == 1
-    line = split.model_options["transformer_options"]["h3_multigpu"]["sequence"]
+    line = protocol.status_lines(split)["sequence"]
     assert sequence_status.COMFY_CLONES in line, line
     return mode
 

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from twin import TwinPatcher, make_twin
 from twin.adapters import attach_activation_lora
 
+from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.common import exact_rows
 from h3_multigpu.sequence import (
     SequenceParallelConfig,
@@ -99,7 +100,7 @@ def test_shares_below_a_floor_fall_back_and_say_why(fake_floors, lora_twin, tiny
         assert _same(patched.apply_model(*tiny_inputs), reference)
     mode = get_sequence_parallel(patched)
     assert mode.steps["sequence"] == 0 and mode.steps["off"] == 2 and mode.blocks_run == 0
-    line = patched.model_options["transformer_options"]["h3_multigpu"]["sequence"]
+    line = protocol.status_lines(patched)["sequence"]
     assert "sequence refused at 44 tokens: " in line and said in line, line
     assert said in mode.decisions[44].reason
     assert len([r for r in caplog.records if said in r.getMessage()]) == 1
