@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..comfy_seam.devices import gpu_count, hidden_gpu_hint
+
 
 def parse_devices(text: str) -> tuple[torch.device, ...] | None:
     """"auto" -> None (every other visible GPU); "gpu:0,cuda:2,3" -> (cuda:0, cuda:2, cuda:3)."""
@@ -31,7 +33,7 @@ def parse_devices(text: str) -> tuple[torch.device, ...] | None:
 
 def validate_devices(root: torch.device, helpers: Sequence[torch.device]) -> None:
     """ValueError for an unknown GPU or a helper equal to the root ("cpu" only in CPU tests)."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = gpu_count()
     for device in helpers:
         if device.type == "cpu":
             if root.type != "cpu":
@@ -41,8 +43,7 @@ def validate_devices(root: torch.device, helpers: Sequence[torch.device]) -> Non
         if device.type != "cuda":
             raise ValueError(f"helper device {device} is not a CUDA/ROCm GPU; use 'gpu:N'")
         if device.index >= count:
-            raise ValueError(f"helper device {device} does not exist: this machine has {count} "
-                             f"GPU(s) (gpu:0..gpu:{max(count - 1, 0)})")
+            raise ValueError(f"helper device {device}: {hidden_gpu_hint(device.index)}")
         if root.type == "cuda" and device.index == (root.index or 0):
             raise ValueError(f"helper device {device} is the root GPU running the model; pick "
                              "another GPU as helper")

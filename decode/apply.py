@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..comfy_seam import interrupts, models, names, protocol
+from ..comfy_seam.devices import gpu_count
 from ..comfy_seam.memory import is_dynamic
 from ..common.devices import parse_devices, validate_devices
 from . import sizing
@@ -126,7 +127,7 @@ def _helper_devices(config: MultiGPUDecodeConfig, root: torch.device) -> list[to
     if root.type != "cuda" or not torch.cuda.is_available():
         return []
     index = root.index if root.index is not None else torch.cuda.current_device()
-    return [torch.device("cuda", i) for i in range(torch.cuda.device_count()) if i != index]
+    return [torch.device("cuda", i) for i in range(gpu_count()) if i != index]
 
 
 def _decode_dtype(model: torch.nn.Module) -> torch.dtype | None:

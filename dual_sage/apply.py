@@ -40,7 +40,7 @@ import torch
 
 from ..comfy_seam import names, protocol
 from ..comfy_seam.attention import recorder_patches
-from ..comfy_seam.devices import device_context
+from ..comfy_seam.devices import device_context, gpu_count
 from ..comfy_seam.h3 import default_attention as seam_default_attention
 from ..common import geometry
 from ..common.devices import parse_devices, validate_devices
@@ -174,7 +174,7 @@ def build_sharded_attention(model_patcher: Any, config: DualSageConfig) -> Shard
     root = _root_device(model_patcher)
     helpers = parse_devices(",".join(config.helpers)) if config.helpers else None
     if helpers is None:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = gpu_count()  # the GPUs ComfyUI uses (--cuda-device), not all torch sees
         helpers = tuple(torch.device("cuda", i) for i in range(count)
                         if root.type != "cuda" or i != root.index)
     if not helpers:

@@ -97,12 +97,13 @@ def gpu_inventory() -> list[GpuInfo]:
         import torch
     except ImportError:
         return []
+    from ..comfy_seam.devices import gpu_count
     from ..comfy_seam.memory import comfy_runs_on_cpu
 
     if not torch.cuda.is_available() or comfy_runs_on_cpu():
         return []
     found = []
-    for i in range(torch.cuda.device_count()):
+    for i in range(gpu_count()):  # ComfyUI's GPUs (--cuda-device), not all torch sees
         props = torch.cuda.get_device_properties(i)
         found.append(GpuInfo(i, props.name, int(props.total_memory)))
     return found

@@ -229,14 +229,18 @@ def detect_hardware(measure_link: bool = False) -> HardwareProfile:
         import torch
     except ImportError as exc:  # pragma: no cover - torch is a dependency
         raise ValueError("--gpus auto needs PyTorch; use --profile NAME instead") from exc
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+    from ..comfy_seam.devices import gpu_count
+
+    count = gpu_count()  # inside ComfyUI: the GPUs it uses (--cuda-device), not all torch sees
+    if count == 0:
         raise ValueError(
-            "no CUDA/ROCm GPU is visible to PyTorch; use a built-in profile instead "
+            "no CUDA/ROCm GPU is visible (to PyTorch, or to ComfyUI where it runs); use a "
+            "built-in profile instead "
             f"(--profile {' | '.join(PROFILES)})"
         )
     backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
     gpus = []
-    for index in range(torch.cuda.device_count()):
+    for index in range(count):
         props = torch.cuda.get_device_properties(index)
         gpus.append(gpu_from_device(props.name, int(props.total_memory), backend))
     peer = len(gpus) > 1 and all(

@@ -42,7 +42,7 @@ import torch
 
 from ..comfy_seam import clones as comfy_clones
 from ..comfy_seam import names, protocol
-from ..comfy_seam.devices import root_device
+from ..comfy_seam.devices import gpu_count, root_device
 from ..comfy_seam.h3 import forward_options, in_training, weight_format
 from ..comfy_seam.memory import is_dynamic
 from ..common import exact_rows
@@ -358,7 +358,7 @@ def _call(previous: Callable | None, args: dict, extra: dict) -> dict:
 
 
 def _visible_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpu_count()  # the GPUs ComfyUI uses (--cuda-device), not all torch sees
 
 
 def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) -> Any:
