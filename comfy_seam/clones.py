@@ -251,3 +251,19 @@ def container(block: torch.nn.Module) -> Any:
 
     cls = getattr(sys.modules[type(block).__module__], "AttentionTensorContainer", None)
     return (lambda t: t) if cls is None else cls
+
+
+# ---------------------------------------------------------------- ComfyUI's own CFG split
+
+
+def cfg_split_devices(patcher: Any) -> list[Any]:
+    """The GPUs ComfyUI's MultiGPU CFG Split (`MultiGPU_WorkUnits`, comfy/multigpu.py
+    `create_multigpu_deepclones`) runs this patcher's conds on, the patcher's own device first;
+    empty when it set up no clones (max_gpus 1, one GPU, a ComfyUI without it)."""
+    getter = getattr(patcher, "get_additional_models_with_key", None)
+    if not callable(getter):
+        return []
+    extra = [m for m in getter(MULTIGPU_CLONES) if getattr(m, "is_multigpu_base_clone", False)]
+    if not extra:
+        return []
+    return [patcher.load_device, *(m.load_device for m in extra)]

@@ -56,8 +56,15 @@ def input_device(args: tuple, kwargs: dict) -> Any | None:
 
 
 def outer_sample_guard(executor, *args, **kwargs):
-    """OUTER_SAMPLE wrapper: the sampled patcher's load device is current for the whole run."""
-    device = getattr(sampled_patcher(executor), "load_device", None)
+    """OUTER_SAMPLE wrapper: the sampled patcher's load device is current for the whole run.
+    First, before ComfyUI loads anything, a pack feature that cannot run beside ComfyUI's
+    MultiGPU CFG Split placed after the pack's node is refused (`guard.composition`)."""
+    from .composition import check_cfg_split
+
+    patcher = sampled_patcher(executor)
+    if patcher is not None:
+        check_cfg_split(patcher)
+    device = getattr(patcher, "load_device", None)
     if device is None:
         return executor(*args, **kwargs)
     with device_context(device):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ..guard.composition import check_cfg_split
 from ..guard.device import guard_diffusion_model
 from .inputs import parse_auto_int, parse_bytes, parse_int, shown
 from .placement import Placement
@@ -88,6 +89,7 @@ def apply_feature(model: Any, feature: str, config: Any) -> Any:
     """The feature's apply function, then the DiT device guard on its clone (idempotent)."""
     module, name = APPLY[feature]
     (apply,) = _load(module, name)
+    check_cfg_split(model, (feature,))  # ComfyUI's MultiGPU CFG Split came before the pack
     patched = apply(model, config)
     if patched is not model:
         guard_diffusion_model(patched)
