@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-from ..comfy_seam import protocol
+from ..comfy_seam import models, protocol
 from ..comfy_seam.h3 import sampled_patcher
 from ..comfy_seam.names import OOM_GUARD_KEY  # noqa: F401  (tests read it from here)
-from ..comfy_seam.runtime import model_management as loaded_model_management
 from ..common.arena import LIVE_BUFFERS
 
 log = logging.getLogger("h3_multigpu")
@@ -122,11 +121,7 @@ def release_pack_memory() -> PackMemory:
         streamer = prefetch.streamer
         if streamer is not None and streamer.prepared and not streamer._running:
             streamer.release_device()
-    mm = loaded_model_management()
-    if mm is not None and hasattr(mm, "soft_empty_cache"):
-        mm.soft_empty_cache()
-    elif torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    models.empty_cache()
     return held
 
 

@@ -129,8 +129,8 @@ COMFYUI_CALLS = frozenset(
 _DYNAMIC_IMPORTS = {"import_module", "__import__", "find_spec", "find_module"}
 # calls that reach an attribute by a name given as text
 _BY_NAME = {"getattr", "hasattr", "setattr", "delattr"}
-# guard.oom's owner switches its soft_empty_cache to comfy_seam.models.empty_cache (issue 28)
-PENDING_CALLS: dict[str, set[str]] = {"guard/oom.py": {"soft_empty_cache"}}
+# calls allowed outside the seam while their owner moves them in, {file: names}: none left
+PENDING_CALLS: dict[str, set[str]] = {}
 
 
 def _is_comfyui(module: str) -> bool:
