@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from . import runtime
-from .names import CLONES_KEY, MULTIGPU_CLONES, REBIND
+from .names import CLONES_KEY, MULTIGPU_CLONES, REBIND, SELECT_BASE_DEVICE
 
 NO_CLONES = "no deepclone_multigpu"  # clone_gap: this ComfyUI makes no multi-GPU clones
 NO_FACTORY = "no cached_patcher_init"  # clone_gap: this model's loader left no reload factory
@@ -267,3 +267,14 @@ def cfg_split_devices(patcher: Any) -> list[Any]:
     if not extra:
         return []
     return [patcher.load_device, *(m.load_device for m in extra)]
+
+
+def select_device_choice(patcher: Any) -> Any | None:
+    """The device a core Select Model/CLIP/VAE Device node moved this patcher to (it records
+    the loader's own device on the model first, comfy_extras/nodes_multigpu.py), or None when
+    no such node chose one."""
+    base = getattr(getattr(patcher, "model", None), SELECT_BASE_DEVICE, None)
+    device = getattr(patcher, "load_device", None)
+    if base is None or device is None or str(base) == str(device):
+        return None
+    return device

@@ -64,6 +64,8 @@ INTERNALS: tuple[Internal, ...] = (
     _i(f"{MP}.add_object_patch", used_by="protocol.install (object patches)"),
     _i(f"{MP}.get_model_object", used_by="chunking, prefetch, guard"),
     _i(f"{MP}.is_dynamic", used_by="memory.is_dynamic, sequence"),
+    _i("comfy_extras.nodes_multigpu", "source", names.SELECT_BASE_DEVICE,
+       "clones.select_device_choice (a Select*Device node's choice)", releases=("0.33.0",)),
     _i(f"{MP}.get_additional_models_with_key",
        used_by="clones.cfg_split_devices (MultiGPU CFG Split's clones)"),
     _i("comfy.model_patcher", "source", "is_multigpu_base_clone",

@@ -21,6 +21,7 @@ BLOCK_SEGMENTS = "mod_segments"  # args: (start, stop, modulation row) ranges of
 BLOCK_ROPE = "rope_freqs"  # args: the RoPE rotation table, one row per token
 BLOCK_ATTENTION = "attention"  # args (newest files): an attention module passed to the block
 ORIGINAL_BLOCK = "original_block"  # extra: upstream's block as a patch-style call
+SELECT_BASE_DEVICE = "_select_base_load_device"  # Select*Device: the loader's device
 MULTIGPU_CLONES = "multigpu"  # additional-models key of ComfyUI's CFG-split per-GPU clones
 PREFETCH_DYNAMIC_VBARS = "prefetch_dynamic_vbars"  # DynamicVRAM's per-call block prefetch flag
 

@@ -65,15 +65,26 @@ def retarget_patcher(patcher: Any, target) -> tuple[Any, str]:
     return clones.retarget(patcher, target)
 
 
-def _checked(obj_device, index: int, what: str, how: str) -> str:
+def _before(patcher: Any, index: int) -> str:
+    """Who placed the object before the pack: a core Select*Device node's choice, said where
+    the pack's placement differs (only the pack's copy loads: ComfyUI loads when it runs)."""
+    chosen = clones.select_device_choice(patcher)
+    if chosen is None or _same_device(chosen, torch_device(index)):
+        return ""
+    return (f"; a Select Device node chose {chosen}, the pack's placement overrides it (set "
+            f"the pack's devices, or remove that node, to keep one choice)")
+
+
+def _checked(obj_device, index: int, what: str, how: str, before: str = "") -> str:
     if _same_device(obj_device, torch_device(index)):
-        return f"{what} -> {device_option(index)} ({how})"
+        return f"{what} -> {device_option(index)} ({how}){before}"
     return (f"{what}: asked for {device_option(index)} but it stays on {obj_device} ({how}); "
             f"check the ComfyUI log")
 
 
 def place_model(model: Any, index: int) -> tuple[Any, str]:
     """The DiT's ModelPatcher on gpu:index."""
+    before = _before(model, index)
     core = _core_node("SelectModelDeviceNode")
     if core is not None:
         placed, how = _first(core.execute(model, device_option(index))), "core Select Model Device"
@@ -82,11 +93,12 @@ def place_model(model: Any, index: int) -> tuple[Any, str]:
     if placed is model:  # never add the guard to the caller's patcher
         placed = model.clone()
     guard_diffusion_model(placed)
-    return placed, _checked(getattr(placed, "load_device", None), index, "DiT", how)
+    return placed, _checked(getattr(placed, "load_device", None), index, "DiT", how, before)
 
 
 def place_clip(clip: Any, index: int) -> tuple[Any, str]:
     """The text encoder (a CLIP wrapper around a patcher) on gpu:index."""
+    before = _before(clip.patcher, index)
     core = _core_node("SelectCLIPDeviceNode")
     if core is not None:
         placed, how = _first(core.execute(clip, device_option(index))), "core Select CLIP Device"
@@ -97,11 +109,12 @@ def place_clip(clip: Any, index: int) -> tuple[Any, str]:
         placed = clip.clone() if placed is clip else placed
         placed.patcher = clip.patcher.clone()
     guard_text_encoder(placed)
-    return placed, _checked(placed.patcher.load_device, index, "text encoder", how)
+    return placed, _checked(placed.patcher.load_device, index, "text encoder", how, before)
 
 
 def place_vae(vae: Any, index: int, what: str = "video VAE") -> tuple[Any, str]:
     """A VAE (video or audio) on gpu:index."""
+    before = _before(vae.patcher, index)
     core = _core_node("SelectVAEDeviceNode")
     if core is not None:
         placed, how = _first(core.execute(vae, device_option(index))), "core Select VAE Device"
@@ -116,7 +129,7 @@ def place_vae(vae: Any, index: int, what: str = "video VAE") -> tuple[Any, str]:
         placed = copy.copy(vae) if placed is vae else placed
         placed.patcher = vae.patcher.clone()
     guard_vae(placed)
-    return placed, _checked(placed.patcher.load_device, index, what, how)
+    return placed, _checked(placed.patcher.load_device, index, what, how, before)
 
 
 def place_upscaler(upscaler: Any, index: int) -> tuple[Any, str]:

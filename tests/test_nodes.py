@@ -441,3 +441,16 @@ def test_status_says_whether_this_comfyui_runs_the_bundled_workflows():
     one = comfyui_support_line({"MiniMaxH3ImageToVideo": 1, "MiniMaxH3ReferenceToVideo": 1},
                                GraphPasses(1, None))
     assert "upscale" not in one.lower()
+
+
+def test_a_select_device_choice_the_placement_overrides_is_said(tiny_twin):
+    """A core Select Model Device node before the pack moved the DiT to cuda:0 (it records the
+    loader's device on the model); the pack places it on gpu:1 and its note says both."""
+    model = TwinPatcher(tiny_twin)
+    model.model._select_base_load_device = torch.device("cpu")  # the loader's device
+    model.load_device = torch.device("cuda", 0)  # the Select node's choice
+    placed, note = comfy_placement.place_model(model, 1)
+    assert placed.load_device == torch.device("cuda", 1)
+    assert "a Select Device node chose cuda:0" in note and "overrides it" in note
+    agreed, note = comfy_placement.place_model(model, 0)  # the same choice: nothing to say
+    assert "Select Device" not in note
