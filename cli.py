@@ -52,6 +52,18 @@ def _steps(text: str) -> tuple[int, int]:
             f"steps {text!r} must be PASS1,PASS2 like 8,4 (0 skips a pass)") from exc
 
 
+def _cfg(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        values = [float(x) for x in parts]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cfg {text!r} must be one guidance scale like 4, or PASS1,PASS2 like 4,1") from exc
+    return (values[0], values[-1])
+
+
 def _add_plan_parser(sub) -> None:
     from .planner.hardware import ATTENTION_KERNELS
 
@@ -80,6 +92,10 @@ def _add_plan_parser(sub) -> None:
                    help="sampling steps of PASS1 and PASS2, for the job's time (default 8,4: "
                         "the bundled workflows with the turbo LoRA; 0,20 = one pass of 20 steps "
                         "at the final canvas)")
+    p.add_argument("--cfg", type=_cfg, default=(1.0, 1.0), metavar="P1[,P2]",
+                   help="guidance scale of each pass (default 1,1: the turbo LoRA's, one model "
+                        "call a step); above 1 a step makes two calls, and the planner weighs "
+                        "ComfyUI's MultiGPU CFG Split against the pack's modes")
     p.add_argument("--lora-rank", type=int, default=128,
                    help="rank of the on-activation turbo LoRA, 0 for none (default 128)")
     p.add_argument("--dit-dtype", choices=["int8", "bf16"], default="int8",
@@ -101,9 +117,11 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--chunking", choices=["auto", "on", "off"], default="auto",
                    help="FFN/QKV row chunking of the DiT's activations: auto = when the peak "
                         "of the mode that runs needs it; on (smallest chunks); off")
-    p.add_argument("--parallel", choices=["auto", "sequence", "heads", "off"], default="auto",
+    p.add_argument("--parallel", choices=["auto", "sequence", "heads", "cfg", "off"],
+                   default="auto",
                    help="how the GPUs share a step, per pass: auto picks the fastest mode that "
-                        "fits of sequence parallel, heads (Dual-Sage) and one GPU")
+                        "fits of sequence parallel, heads (Dual-Sage), CFG split (above CFG 1) "
+                        "and one GPU")
     p.add_argument("--resident-blocks", type=int, default=None,
                    help="DiT blocks (0-50) the pack's streamer keeps on the root GPU, the rest "
                         "streamed (legacy loader only; under DynamicVRAM ComfyUI decides; "
@@ -135,7 +153,8 @@ def _run_plan(args) -> int:
                           attention=args.attention,
                           quantized_attention=args.quantized_attention,
                           dynamic_vram=args.dynamic_vram, pass1_steps=args.steps[0],
-                          pass2_steps=args.steps[1])
+                          pass2_steps=args.steps[1], pass1_cfg=args.cfg[0],
+                          pass2_cfg=args.cfg[1])
     if detect:
         # no profile named: plan for the GPUs of this machine (a clear error when it has none)
         request = replace(request, profile=detect_hardware(measure_link=args.measure_link))

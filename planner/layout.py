@@ -29,7 +29,8 @@ from .residency import PrefetchPlan, plan_prefetch
 from .sizing import upscale_workspace
 
 TEXT_ENCODER_WORKSPACE = int(0.75 * GiB)
-MODE_WORDS = {"off": "one GPU", "heads": "Dual-Sage", "sequence": "sequence parallel"}
+MODE_WORDS = {"off": "one GPU", "heads": "Dual-Sage", "sequence": "sequence parallel",
+              "cfg": "CFG split (ComfyUI's MultiGPU CFG Split)"}
 
 
 @dataclass(frozen=True)
@@ -101,9 +102,11 @@ def plan_memory(ctx: DiTContext, decision: ModeDecision) -> MemoryLayout:
     # 2. each pass's memory with those chunks, and the blocks resident beside the larger peak
     # the sequence runtime builds the helper's DiT once (at its first split step) and keeps
     # it: one choice for both passes, streaming when any pass needs it
-    helper = "stream" if any(m.helper_weights == "stream" for m in needs.values()) else None
+    # (CFG Split's clones are ComfyUI's: its loader sizes their residency at each pass)
+    stream = any(m.mode == "sequence" and m.helper_weights == "stream" for m in needs.values())
     passes = {name: pass_memory(ctx, mode=m.mode, tokens=ctx.tokens[name], chunks=chunks,
-                                helper_weights=helper)
+                                helper_weights="stream" if stream and m.mode == "sequence"
+                                else None)
               for name, m in needs.items()}
     peak_pass = max(passes, key=lambda n: passes[n].root_activation_bytes)
     prefetch = plan_prefetch(ctx.request, ctx.sizes,
@@ -181,7 +184,8 @@ def _gpu_plans(ctx: DiTContext, passes: dict[str, PassMemory], prefetch: Prefetc
             if memory.mode == "heads":
                 share = ctx.dual.split[1 + placement.helpers.index(index)]
                 g.phases[label] = PhaseMemory(resident, 0, _helper_workspace(ctx, name, share))
-            elif memory.mode == "sequence":
+            elif memory.mode == "sequence" or (memory.mode == "cfg" and index == side):
+                # CFG Split's clone runs on core's first extra device, the first helper
                 g.phases[label] = PhaseMemory(resident + memory.helper_dit_bytes,
                                               memory.helper_activation_bytes)
         gpus.append(g)

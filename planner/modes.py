@@ -1,6 +1,7 @@
 """Stage 3 of a plan: the mode of each pass, each candidate planned with the memory it would have.
 
-For each pass and each mode (one GPU, heads = Dual-Sage, sequence) this module works out the
+For each pass and each mode (one GPU, heads = Dual-Sage, sequence, and above CFG 1 ComfyUI's CFG
+Split, `planner.cfg_split`) this module works out the
 root's activation peak in that mode, the chunking that peak needs to sit beside all blocks, the
 blocks that stay resident beside it, the helper's share and the step time that follows; a pass
 then runs the fastest mode that fits (never one slower than the root alone by the margin).
@@ -17,33 +18,22 @@ from ..common import geometry
 from ..dual_sage import sizing as dual_sage_sizing
 from ..offload import sizing as offload_sizing
 from ..sequence import sizing as sequence_sizing
-from . import timing
+from . import cfg_split, timing
 from .attention import AttentionChoice
 from .components import ComponentSizes
 from .hardware import GiB, HardwareProfile
+from .heads import DualSageSetup, heads_available
 from .memory import BlockDims, ChunkSettings, block_activation_peak
-from .parallel import EXACT_MIN_ROWS, ParallelPlan, PassParallel
+from .parallel import EXACT_MIN_ROWS, MARGIN, ParallelPlan, PassParallel
 from .placement import Placement
 from .request import PlanRequest
 from .residency import LoaderPlan, PrefetchPlan, plan_prefetch
 from .sizing import dual_sage_helper_workspace
 
 MIN_SPARE_BYTES = int(0.5 * GiB)  # left free beyond the reserve when streaming can give it
-MARGIN = 1.03  # a split mode must beat one GPU by this factor to be picked
 CHUNK_ROWS = (32768, 16384, 8192, 4096)  # large chunks keep the GEMMs efficient
 LABELS = {"pass1": "PASS1", "pass2": "PASS2"}
-MODE_ORDER = ("off", "heads", "sequence")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DualSageSetup:
-    """Dual-Sage as it would run here, before any pass picks it."""
-
-    possible: bool
-    split: tuple[int, ...]  # heads per device, root first
-    min_tokens: int
-    transport: str  # "peer" | "host" | "none"
-    reason: str  # why not, or the link it would use
+MODE_ORDER = ("off", "heads", "sequence", "cfg")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +139,8 @@ def pass_memory(ctx: DiTContext, *, mode: str, tokens: int, chunks: ChunkSetting
     (sequence mode: `helper_weights` "stream" forces streaming, None lets it choose)."""
     if mode == "sequence":
         return _sequence_memory(ctx, tokens, chunks, helper_weights)
+    if mode == "cfg":
+        return cfg_split.cfg_memory(ctx, tokens, chunks, helper_weights)
     extra = 0
     workspace = 0
     if mode == "heads":
@@ -215,8 +207,12 @@ def free_for_blocks(ctx: DiTContext, root_activation_bytes: int) -> int:
 
 
 def pass_step(ctx: DiTContext, *, mode: str, tokens: int, prefetch: PrefetchPlan,
-              helper_weights: str) -> timing.StepTime:
-    """One step of one pass in `mode` with this residency on the root."""
+              helper_weights: str, calls: int = 1) -> timing.StepTime:
+    """One step of one pass in `mode` with this residency on the root; `calls` model calls a
+    step (2 above CFG 1), one after the other except in CFG Split's mode."""
+    if mode == "cfg":
+        return cfg_split.cfg_step(ctx, tokens=tokens, prefetch=prefetch,
+                                  helper_weights=helper_weights)
     root = ctx.rates[ctx.root]
     helpers = [ctx.rates[h] for h in ctx.helpers]
     link = ctx.profile.link
@@ -233,7 +229,7 @@ def pass_step(ctx: DiTContext, *, mode: str, tokens: int, prefetch: PrefetchPlan
                                pinned_fraction=prefetch.pinned_fraction)
     overhead = timing.streaming_s(comfy_streams=prefetch.streamer == "comfyui",
                                   streamed=prefetch.streamed_blocks, block_s=block, copy_s=copy)
-    return timing.StepTime(mode=mode, block_s=block, streaming_s=overhead)
+    return timing.StepTime(mode=mode, block_s=block, streaming_s=overhead, calls=calls)
 
 
 def root_need_bytes(ctx: DiTContext, memory: PassMemory, prefetch: PrefetchPlan) -> int:
@@ -251,55 +247,74 @@ def block_weight_bytes(ctx: DiTContext, prefetch: PrefetchPlan) -> int:
         extra_streamed=geometry.REFINER_BLOCKS)
 
 
-def option(ctx: DiTContext, *, mode: str, tokens: int) -> ModeOption:
+def option(ctx: DiTContext, *, mode: str, tokens: int, calls: int = 1) -> ModeOption:
     """One pass in one mode, with the chunking and residency that mode would have alone."""
-    memory = pass_memory(ctx, mode=mode, tokens=tokens,
-                         chunks=needed_chunks(ctx, mode=mode, tokens=tokens))
+    # CFG Split's clones run no pack chunking: its pass is planned unchunked
+    chunks = ChunkSettings() if mode == "cfg" else needed_chunks(ctx, mode=mode, tokens=tokens)
+    memory = pass_memory(ctx, mode=mode, tokens=tokens, chunks=chunks)
     prefetch = plan_prefetch(ctx.request, ctx.sizes,
                              free_for_blocks(ctx, memory.root_activation_bytes), ctx.loader,
                              ctx.root)
+    if mode == "cfg":
+        memory = cfg_split.with_root_refusal(memory, prefetch)
     short = max(0, root_need_bytes(ctx, memory, prefetch) - ctx.placement.usable_bytes[ctx.root])
     if mode == "heads":
         helper = ctx.helpers[0]
         need = ctx.sizes.vae_bytes + ctx.sizes.upscaler_bytes + memory.helper_workspace_bytes
         short += max(0, need - ctx.placement.usable_bytes[helper])
     step = pass_step(ctx, mode=mode, tokens=tokens, prefetch=prefetch,
-                     helper_weights=memory.helper_weights)
+                     helper_weights=memory.helper_weights, calls=calls)
     return ModeOption(memory=memory, prefetch=prefetch, step=step, shortfall_bytes=short)
 
 
 # ------------------------------------------------------------------ the choice per pass
-def heads_available(ctx: DiTContext, tokens: int) -> str | None:
-    """None when heads mode can run this pass, else why not."""
-    if not ctx.dual.possible:
-        return f"Dual-Sage is off ({ctx.dual.reason})"
-    if tokens < ctx.dual.min_tokens:
-        return f"{tokens:,} tokens are below Dual-Sage's min_tokens ({ctx.dual.min_tokens:,})"
-    return None
-
-
 def decide_modes(ctx: DiTContext) -> ModeDecision:
     passes, chosen, single = {}, {}, {}
+    pools: dict[str, dict[str, ModeOption]] = {}
+    picks, fallback, notes = {}, {}, {}
     for name, tokens in ctx.tokens.items():
-        off = option(ctx, mode="off", tokens=tokens)
+        calls = ctx.request.model_calls(name)
+        off = option(ctx, mode="off", tokens=tokens, calls=calls)
         single[name] = off
-        if not ctx.helpers:
-            chosen[name] = off
-            passes[name] = _pass_parallel(choice=off, off=off, why="one GPU",
-                                          times={"off": off.step.total_s})
-            continue
         options = {"off": off}
+        pools[name] = options
+        if not ctx.helpers:
+            picks[name] = fallback[name] = "off"
+            notes[name] = "one GPU"
+            continue
         heads_why = heads_available(ctx, tokens)
         if heads_why is None:
-            options["heads"] = option(ctx, mode="heads", tokens=tokens)
-        sequence = option(ctx, mode="sequence", tokens=tokens)
+            options["heads"] = option(ctx, mode="heads", tokens=tokens, calls=calls)
+        sequence = option(ctx, mode="sequence", tokens=tokens, calls=calls)
         if sequence.memory.refusal is None:
             options["sequence"] = sequence
-        mode, why = _choose(requested=ctx.request.parallel, options=options, sequence=sequence,
-                            heads_why=heads_why)
+        cfg_why = cfg_split.AT_CFG_1
+        if calls == 2:
+            split = option(ctx, mode="cfg", tokens=tokens, calls=calls)
+            cfg_why = split.memory.refusal
+            if cfg_why is None:
+                options["cfg"] = split
+        why_not = {"sequence": sequence.memory.refusal, "heads": heads_why, "cfg": cfg_why}
+        picks[name], notes[name] = _choose(requested=ctx.request.parallel, options=options,
+                                           why_not=why_not)
+        fallback[name] = picks[name]
+        if picks[name] == "cfg":
+            fallback[name], _ = _choose(requested=ctx.request.parallel,
+                                        options={m: o for m, o in options.items() if m != "cfg"},
+                                        why_not={**why_not, "cfg": "not taken"})
+        two_by_two = cfg_split.two_by_two_s(ctx, tokens) if calls == 2 else None
+        if two_by_two is not None:
+            notes[name] += (f"; CFG split x sequence parallel (2x2) would take "
+                            f"{two_by_two:.1f} s/it: {cfg_split.NO_2X2}")
+    steps = {"pass1": ctx.request.pass1_steps, "pass2": ctx.request.pass2_steps}
+    job = cfg_split.resolve_job(picks, fallback, pools, steps)
+    for name, mode in job.chosen.items():
+        options = pools[name]
+        why = notes[name] + (f"; {job.note}" if job.note and mode != picks[name] else "")
         chosen[name] = options[mode]
         times = {m: o.step.total_s for m, o in options.items()}
-        passes[name] = _pass_parallel(choice=options[mode], off=off, why=why, times=times)
+        passes[name] = _pass_parallel(choice=options[mode], off=single[name], why=why,
+                                      times=times)
     heads = ctx.seq_heads if ctx.helpers else (geometry.HEADS,)
     transport = "none" if not ctx.helpers else ("peer" if ctx.profile.link.peer_access
                                                 else "host")
@@ -308,20 +323,21 @@ def decide_modes(ctx: DiTContext) -> ModeDecision:
     return ModeDecision(parallel=parallel, chosen=chosen, single=single)
 
 
-def _choose(*, requested: str, options: dict[str, ModeOption], sequence: ModeOption,
-            heads_why: str | None) -> tuple[str, str]:
-    refusal = sequence.memory.refusal
+FORCED_WORDS = {"sequence": "sequence refused", "heads": "heads not available",
+                "cfg": "CFG split not available"}
+
+
+def _choose(*, requested: str, options: dict[str, ModeOption],
+            why_not: dict[str, str | None]) -> tuple[str, str]:
+    """The pass's mode and why: a forced mode where it can run (else the next best), else the
+    fastest that fits, never a split one slower than one GPU by the margin."""
     if requested == "off":
         return "off", "switched off"
-    if requested == "sequence":
-        if refusal is None:
-            return "sequence", "forced"
-        fallback = "heads" if "heads" in options else "off"
-        return fallback, f"sequence refused: {refusal}"
-    if requested == "heads":
-        if "heads" in options:
-            return "heads", "forced"
-        return "off", f"heads not available: {heads_why}"
+    if requested in FORCED_WORDS:
+        if requested in options:
+            return requested, "forced"
+        fallback = "heads" if requested == "sequence" and "heads" in options else "off"
+        return fallback, f"{FORCED_WORDS[requested]}: {why_not[requested]}"
     fitting = {m: o for m, o in options.items() if o.fits}
     pool = fitting or options
     if fitting:
@@ -340,10 +356,10 @@ def _choose(*, requested: str, options: dict[str, ModeOption], sequence: ModeOpt
                                 f"over)" for m in sorted(unfit))
     if not fitting:
         why += "; none fits: the closest"
-    if refusal is not None:
-        why += f"; sequence refused: {refusal}"
-    if heads_why is not None:
-        why += f"; heads not available: {heads_why}"
+    for name in ("sequence", "heads", "cfg"):
+        reason = why_not.get(name)
+        if reason is not None and name not in options and reason != cfg_split.AT_CFG_1:
+            why += f"; {FORCED_WORDS[name]}: {reason}"
     return mode, why
 
 
@@ -357,34 +373,3 @@ def _pass_parallel(*, choice: ModeOption, off: ModeOption, why: str,
                         helper_activation_bytes=m.helper_activation_bytes,
                         helper_weight_bytes=m.helper_dit_bytes,
                         options_s={k: round(v, 2) for k, v in times.items()})
-
-
-# ------------------------------------------------------------------ Dual-Sage's setup
-def plan_dual_sage(*, request: PlanRequest, profile: HardwareProfile, placement: Placement,
-                   rates: tuple[timing.GPURates, ...], tokens: int) -> DualSageSetup:
-    """Whether heads mode is possible here: the split by attention throughput, the length it
-    pays from, and (auto) whether it speeds up attention at PASS2's length at all."""
-    none = (geometry.HEADS,)
-    if not placement.helpers:
-        return DualSageSetup(possible=False, split=none, min_tokens=0, transport="none",
-                             reason="one GPU: nothing to shard onto")
-    if request.dual_sage == "off":
-        return DualSageSetup(possible=False, split=none, min_tokens=0, transport="none",
-                             reason="switched off")
-    root = rates[placement.root]
-    helpers = [rates[h] for h in placement.helpers]
-    split = timing.split_heads_by_throughput([root.attention_tflops]
-                                             + [h.attention_tflops for h in helpers])
-    link = profile.link
-    transport = "peer" if link.peer_access else "host"
-    single = timing.attention_s(tokens, root)
-    gain = single / timing.dual_sage_attention_s(tokens, root, helpers, link, split)
-    min_tokens = timing.choose_min_tokens(root, helpers, link, split)
-    words = (f"attention {gain:.2f}x at {tokens:,} tokens over the {transport} link at "
-             f"{link.helper_gbs:.0f} GB/s; calls below {min_tokens:,} tokens stay on the root")
-    if request.dual_sage == "on" or gain >= MARGIN:
-        return DualSageSetup(possible=True, split=split, min_tokens=min_tokens,
-                             transport=transport, reason=words)
-    return DualSageSetup(possible=False, split=none, min_tokens=min_tokens, transport=transport,
-                         reason=f"would run attention at only {gain:.2f}x over the "
-                                f"{transport} link at {link.helper_gbs:.0f} GB/s")

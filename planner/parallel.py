@@ -17,10 +17,12 @@ from ..common.floors import EXACT_MIN_ROWS  # the GPU row floor (torch-free)
 from ..sequence.sizing import gpu_speed, link_speed  # the one conversion (runtime too)
 from .request import PARALLEL_MODES as MODES
 
+MARGIN = 1.03  # a split mode must beat one GPU by this factor to be picked (and Dual-Sage set up)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PassParallel:
-    mode: str  # "sequence" | "heads" | "off"
+    mode: str  # "sequence" | "heads" | "cfg" | "off"
     reason: str
     step_time_s: float
     speedup: float  # over the root GPU alone
@@ -48,4 +50,5 @@ class ParallelPlan:
         return f"{p.mode} ({p.speedup:.2f}x predicted) -- {p.reason}"
 
 
-__all__ = ["EXACT_MIN_ROWS", "MODES", "ParallelPlan", "PassParallel", "gpu_speed", "link_speed"]
+__all__ = ["EXACT_MIN_ROWS", "MARGIN", "MODES", "ParallelPlan", "PassParallel", "gpu_speed",
+           "link_speed"]

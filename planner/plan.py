@@ -22,12 +22,14 @@ from dataclasses import dataclass, field, replace
 
 from ..chunking import sizing as block_sizing
 from ..common import geometry
+from . import cfg_split
 from .attention import AttentionChoice, missing_kernel_notes, resolve_attention
 from .checkpoint_check import check_dit_file
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, checkpoint_attention
 from .components import dit_sizes_from_file as _dit_sizes_from_file
 from .decode import DecodePlan
 from .hardware import HardwareProfile, detect_hardware, get_profile
+from .heads import DualSageSetup, plan_dual_sage
 from .host import HostMemoryPlan, plan_host_memory
 from .layout import (
     MODE_WORDS,
@@ -42,12 +44,10 @@ from .memory import BlockDims
 from .modes import (
     LABELS,
     DiTContext,
-    DualSageSetup,
     ModeDecision,
     decide_modes,
     dit_fixed_bytes,
     pass_step,
-    plan_dual_sage,
 )
 from .parallel import ParallelPlan
 from .placement import Placement, place, reserve_bytes
@@ -221,12 +221,16 @@ def _final_times(ctx: DiTContext, decision: ModeDecision, layout: MemoryLayout
     for name, choice in decision.parallel.passes.items():
         memory = layout.passes[name]
         timed = pass_step(ctx, mode=choice.mode, tokens=ctx.tokens[name],
-                          prefetch=layout.prefetch, helper_weights=memory.helper_weights)
+                          prefetch=layout.prefetch, helper_weights=memory.helper_weights,
+                          calls=ctx.request.model_calls(name))
         step[name] = timed.total_s
         single[name] = decision.single[name].step.total_s
         why = choice.reason
         if memory.mode == "sequence":
             why += f"; helper DiT: {memory.helper_weights}"
+        elif memory.mode == "cfg":
+            why += (f"; gpu:{ctx.helpers[0]} holds CFG Split's clone of the DiT as a "
+                    f"{memory.helper_weights}: {cfg_split.HOW}")
         passes[name] = replace(choice, reason=why, step_time_s=step[name],
                                speedup=single[name] / step[name],
                                helper_weights=memory.helper_weights,

@@ -72,7 +72,9 @@ def _headline(plan: Plan) -> list[str]:
     third = (f"job: {plan.pass2.width}x{plan.pass2.height} (PASS1 {plan.pass1.width}x"
              f"{plan.pass1.height}), {plan.pass2.frames} frames = {plan.pass2.seconds:.1f} s, "
              f"DiT {r.dit_dtype}, attention {plan.attention.kernel}"
-             + (f", LoRA rank {r.lora_rank}" if r.lora_rank else ""))
+             + (f", LoRA rank {r.lora_rank}" if r.lora_rank else "")
+             + (f", CFG {r.pass1_cfg:g} (PASS1) / {r.pass2_cfg:g} (PASS2)"
+                if (r.pass1_cfg, r.pass2_cfg) != (1.0, 1.0) else ""))
     return [*_wrap(first), *_wrap(second), *_wrap(third)]
 
 
@@ -188,6 +190,7 @@ def plan_to_dict(plan: Plan) -> dict:
                        "pass2": _r(job.pass2_s, 1), "upscale": _r(job.upscale_s, 1),
                        "decode": _r(job.decode_s, 1)},
         "steps": {"pass1": job.pass1_steps, "pass2": job.pass2_steps},
+        "cfg": {"pass1": r.pass1_cfg, "pass2": r.pass2_cfg},
         "tokens": plan.pass2.tokens,
         "tokens_pass1": plan.pass1.tokens,
         "text_tokens": r.text_tokens,

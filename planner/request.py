@@ -3,6 +3,7 @@ the fix, before anything is planned or loaded)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -10,7 +11,8 @@ from ..common import geometry
 from .hardware import ATTENTION_KERNELS, QUANTIZED_ATTENTION, HardwareProfile
 from .residency import RESIDENT_NEEDS_LEGACY
 
-PARALLEL_MODES = ("auto", "sequence", "heads", "off")
+PARALLEL_MODES = ("auto", "sequence", "heads", "cfg", "off")
+MAX_CFG = 100.0  # ComfyUI's KSampler/CFGGuider cfg input ends there
 ATTENTIONS = ("auto", *ATTENTION_KERNELS)
 MAX_STEPS = 200
 # the DiT linears' weight format (`comfy_seam.h3.weight_format`'s names) of each dit_dtype: "int8"
@@ -32,7 +34,7 @@ class PlanRequest:
     dit_dtype: str = "int8"  # "int8" (official pruned file) or "bf16"
     dit_file: str | None = None  # read real block sizes from this checkpoint's header
     dual_sage: str = "auto"  # "auto" | "on" | "off"
-    parallel: str = "auto"  # per pass: "auto" | "sequence" | "heads" | "off"
+    parallel: str = "auto"  # per pass: "auto" | "sequence" | "heads" | "cfg" | "off"
     decode: str = "auto"  # video decode on several GPUs: "auto" | "on" | "off"
     chunking: str = "auto"  # "auto" | "off" | "on"
     resident_blocks: int | None = None  # None = as many as fit
@@ -50,6 +52,10 @@ class PlanRequest:
     pinned_budget_bytes: int | None = None
     pass1_steps: int = 8  # the bundled workflows: 8 turbo steps, then 4 refining steps
     pass2_steps: int = 4
+    # the guidance scale of each pass: at 1 (the turbo LoRA's, the bundled workflows') ComfyUI
+    # runs one model call per step; above 1 two (cond and uncond), which CFG Split can share
+    pass1_cfg: float = 1.0
+    pass2_cfg: float = 1.0
 
     def __post_init__(self) -> None:
         # numpy integers (a width read from an array) are accepted and stored as ints
@@ -77,6 +83,13 @@ class PlanRequest:
             raise ValueError(f"parallel={self.parallel!r} is not valid; use one of "
                              f"{PARALLEL_MODES}")
         self._check_attention()
+        for name in ("pass1_cfg", "pass2_cfg"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or not 0.0 <= value <= MAX_CFG:
+                raise ValueError(f"{name}={value!r} must be a guidance scale from 0 to "
+                                 f"{MAX_CFG:g} (1 = the turbo LoRA's, one model call a step)")
+            object.__setattr__(self, name, float(value))
         for name, high, why in (
                 ("lora_rank", geometry.HIDDEN, "the DiT's width; the turbo LoRA's rank is 128"),
                 ("text_tokens", geometry.MAX_TEXT_TOKENS,
@@ -120,6 +133,11 @@ class PlanRequest:
             raise ValueError(f"quantized_attention=True asks for an INT8-QK kernel but "
                              f"attention={self.attention!r} is not one; drop "
                              f"--quantized-attention or use --attention sage (or ck)")
+
+    def model_calls(self, name: str) -> int:
+        """Model calls per sampling step of pass `name`: ComfyUI skips the uncond at CFG 1
+        (samplers.cfg_function's cfg1 optimization), so a step is one call there, else two."""
+        return 1 if math.isclose(getattr(self, f"{name}_cfg"), 1.0) else 2
 
     @property
     def dit_weight_format(self) -> str:

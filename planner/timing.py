@@ -56,13 +56,16 @@ def gpu_rates(gpu: GPUSpec, *, dit_dtype: str, attention: str) -> GPURates:
 class StepTime:
     """One sampling step of one pass in the mode that runs it."""
 
-    mode: str  # "off" (one GPU) | "heads" | "sequence"
+    mode: str  # "off" (one GPU) | "heads" | "sequence" | "cfg" (CFG Split's clones)
     block_s: float  # one DiT block's compute (the split modes: the slowest GPU and the link)
     streaming_s: float  # weight copies no compute hides
+    # model calls one after another per step: 2 at CFG above 1 (cond, uncond) unless CFG Split
+    # runs them side by side on two GPUs ("cfg": 1, its block_s the slower GPU's)
+    calls: int = 1
 
     @property
     def total_s(self) -> float:
-        return geometry.BLOCKS * self.block_s + self.streaming_s
+        return self.calls * (geometry.BLOCKS * self.block_s + self.streaming_s)
 
 
 def one_gpu_block_s(tokens: int, rates: GPURates) -> float:

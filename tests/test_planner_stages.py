@@ -21,14 +21,10 @@ from h3_multigpu.planner.hardware import (
     gpu_from_device,
     spec_for_name,
 )
+from h3_multigpu.planner.heads import plan_dual_sage
 from h3_multigpu.planner.layout import GPUPlan, PhaseMemory, plan_memory
 from h3_multigpu.planner.memory import BlockDims, ChunkSettings, block_activation_peak
-from h3_multigpu.planner.modes import (
-    MIN_SPARE_BYTES,
-    DiTContext,
-    decide_modes,
-    plan_dual_sage,
-)
+from h3_multigpu.planner.modes import MIN_SPARE_BYTES, DiTContext, decide_modes
 from h3_multigpu.planner.placement import place, reserve_bytes
 from h3_multigpu.planner.residency import plan_loader
 from h3_multigpu.planner.timing import JobTime, duration, gpu_rates

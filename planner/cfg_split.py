@@ -1,0 +1,184 @@
+"""ComfyUI's MultiGPU CFG Split as a mode of a pass ("cfg"), beside one GPU, heads and sequence.
+
+Above CFG 1 a sampling step makes two model calls, cond and uncond (at CFG 1 ComfyUI skips the
+uncond: `samplers.cfg_function`). CFG Split (`MultiGPU_WorkUnits`, comfy/multigpu.py) gives
+each extra GPU a deep clone of the model and runs the conds side by side, one a GPU, with no
+exchange inside the forward: the step is the slower GPU's one call. The other modes run the two
+calls one after the other (`StepTime.calls`).
+
+What this module plans, with the same rates and memory model as the other modes:
+- the extra GPU is core's first device other than the root, the planner's first helper (the
+  GPU that also keeps the VAEs and the upscaler); a third or fourth GPU adds nothing for two
+  conds;
+- that GPU holds a whole DiT (ComfyUI's clone: its weights, the LoRA) beside one call's
+  activations, or, when it cannot, ComfyUI streams the clone's blocks (DynamicVRAM one block
+  ahead; the legacy loader's lowvram casts each block unhidden);
+- the pack's chunking and block streamer do not run beside CFG Split's clones
+  (`guard.composition`): the mode is planned unchunked (DynamicVRAM keeps fewer blocks resident
+  instead), and refused where the root's blocks would need the pack's streamer (the legacy
+  loader) or chunking is forced on, saying so; and since the
+  clones serve the model in every pass, a job that splits CFG in one pass runs its other passes
+  on one GPU (`resolve_job`);
+- on four GPUs, CFG Split times sequence parallel (2x2) is timed and named, not picked: the
+  pack does not run its sequence mode inside CFG Split's clones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ..common import geometry
+from ..offload import sizing as offload_sizing
+from ..sequence import sizing as sequence_sizing
+from . import timing
+from .hardware import GiB
+from .memory import ChunkSettings, block_activation_peak
+
+if TYPE_CHECKING:
+    from .modes import DiTContext, ModeOption, PassMemory
+    from .residency import PrefetchPlan
+
+SPARE_BYTES = int(0.5 * GiB)  # kept free beside a whole clone (the modes' MIN_SPARE_BYTES)
+AT_CFG_1 = "CFG split has no effect at CFG 1 (one model call a step)"
+NEEDS_CHUNKING = ("chunking is forced on, and the pack does not run it beside CFG Split's "
+                  "clones")
+NEEDS_STREAMER = ("the DiT streams on the root through the pack's block streamer (legacy "
+                  "loader), which does not run beside CFG Split's clones")
+NO_2X2 = "the pack does not run sequence parallel inside CFG Split's clones yet"
+HOW = ("add ComfyUI's MultiGPU CFG Split (max_gpus 2) on the model before the sampler; the "
+       "pack's split, chunking and streaming features stay off for this model")
+
+
+def clone_bytes(ctx: DiTContext) -> tuple[int, int]:
+    """(a whole clone of the DiT with its LoRA, the same when ComfyUI streams its blocks)."""
+    sizes = ctx.sizes
+    fixed = max(0, sizes.dit_other_bytes - geometry.REFINER_BLOCKS * sizes.dit_block_bytes) \
+        + sizes.lora_bytes
+    whole = fixed + ctx.all_blocks_bytes
+    streamed = fixed + offload_sizing.streamed_weight_vram_bytes(
+        blocks=geometry.BLOCKS, resident=0, block_bytes=sizes.dit_block_bytes, lookahead=1,
+        extra_streamed=geometry.REFINER_BLOCKS)
+    return whole, streamed
+
+
+def cfg_memory(ctx: DiTContext, tokens: int, chunks: ChunkSettings,
+               helper_weights: str | None) -> PassMemory:
+    """One call's activations on each GPU; the clone's weights on the helper."""
+    from .modes import PassMemory
+
+    peak = block_activation_peak(tokens, ctx.dims, chunks,
+                                 lora_on_activations=ctx.request.lora_rank > 0,
+                                 lora_rank=ctx.request.lora_rank, kernels=ctx.kernels)
+    whole, streamed = clone_bytes(ctx)
+    free = ctx.placement.helper_free_bytes
+    refusal = NEEDS_CHUNKING if ctx.request.chunking == "on" else None
+    if helper_weights != "stream" and whole + peak.peak_bytes + SPARE_BYTES <= free:
+        weights, dit = "replica", whole
+    elif streamed + peak.peak_bytes <= free:
+        weights, dit = "stream", streamed
+    else:
+        weights, dit = "none", 0
+        refusal = refusal or (f"gpu:{ctx.helpers[0]} cannot hold one call's "
+                              f"{peak.peak_bytes / GiB:.1f} GiB of activations beside CFG "
+                              f"Split's clone of the DiT ({streamed / GiB:.1f} GiB streamed)")
+    return PassMemory(mode="cfg", chunks=chunks, root_activation_bytes=peak.peak_bytes,
+                      phase=peak.phase, helper_activation_bytes=peak.peak_bytes,
+                      helper_dit_bytes=dit, helper_weights=weights, refusal=refusal)
+
+
+def with_root_refusal(memory: PassMemory, prefetch: PrefetchPlan) -> PassMemory:
+    """The mode refused when the root's blocks would need the pack's streamer."""
+    if memory.refusal is None and prefetch.streamer == "pack" and prefetch.streamed_blocks:
+        return replace(memory, refusal=NEEDS_STREAMER)
+    return memory
+
+
+def cfg_step(ctx: DiTContext, *, tokens: int, prefetch: PrefetchPlan,
+             helper_weights: str) -> timing.StepTime:
+    """A step with the conds side by side: each GPU's block and unhidden copies, the slower."""
+    link = ctx.profile.link
+    block = ctx.sizes.dit_block_bytes
+    copy = timing.block_copy_s(block, link, pinned_fraction=prefetch.pinned_fraction)
+    root_block = timing.one_gpu_block_s(tokens, ctx.rates[ctx.root])
+    helper_block = timing.one_gpu_block_s(tokens, ctx.rates[ctx.helpers[0]])
+    root_stream = timing.streaming_s(comfy_streams=prefetch.streamer == "comfyui",
+                                     streamed=prefetch.streamed_blocks, block_s=root_block,
+                                     copy_s=copy)
+    helper_stream = 0.0
+    if helper_weights == "stream":
+        streamed = geometry.BLOCKS
+        helper_stream = (timing.streaming_s(comfy_streams=True, streamed=streamed,
+                                            block_s=helper_block, copy_s=copy)
+                         if ctx.loader.dynamic else streamed * copy)  # lowvram: no prefetch
+    return timing.StepTime(mode="cfg", block_s=max(root_block, helper_block),
+                           streaming_s=max(root_stream, helper_stream), calls=1)
+
+
+def two_by_two_s(ctx: DiTContext, tokens: int) -> float | None:
+    """CFG Split over two pairs, each pair sequence parallel on one cond (four GPUs and more):
+    the slower pair's step, every GPU holding the DiT; None below four GPUs."""
+    if len(ctx.helpers) < 3:
+        return None
+    link = ctx.profile.link
+    pairs = ((ctx.root, ctx.helpers[1]), (ctx.helpers[0], ctx.helpers[2]))
+    worst = 0.0
+    for pair in pairs:
+        rates = [ctx.rates[i] for i in pair]
+        weights = tuple(r.gemm_tflops for r in rates)
+        weights = weights if len(set(weights)) > 1 else (1.0, 1.0)
+        heads = tuple(sequence_sizing.split_counts(geometry.HEADS, weights))
+        block = timing.sequence_block_s(tokens, rates, heads, link, row_weights=weights,
+                                        helper_streamed_block_bytes=0)
+        worst = max(worst, geometry.BLOCKS * block)
+    return worst
+
+
+@dataclass(frozen=True)
+class JobChoice:
+    """Per pass the option that runs, after the whole-model rule of CFG Split's clones."""
+
+    chosen: dict[str, str]  # pass -> mode
+    note: str  # why the job's modes differ from each pass's own best ("" when they do not)
+
+
+def _compatible(option: ModeOption) -> bool:
+    """A pass's option that can run beside CFG Split's clones (one GPU, nothing of the pack's
+    chunking or streamer), or the split itself."""
+    if option.memory.mode == "cfg":
+        return True
+    return (option.memory.mode == "off" and not option.memory.chunks.active
+            and not (option.prefetch.streamer == "pack" and option.prefetch.streamed_blocks))
+
+
+def resolve_job(picks: dict[str, str], without_cfg: dict[str, str],
+                options: dict[str, dict[str, ModeOption]], steps: dict[str, int]) -> JobChoice:
+    """CFG Split's clones sit on the model, so every pass of the job runs beside them: where a
+    pass picks "cfg" (`picks`) and another pass a mode that cannot run beside it, keep the
+    faster job of two: CFG split with the other passes on one GPU, or each pass's choice
+    without CFG split (`without_cfg`)."""
+    if "cfg" not in picks.values() or all(
+            _compatible(options[name][mode]) for name, mode in picks.items()):
+        return JobChoice(dict(picks), "")
+    with_cfg = {name: ("cfg" if "cfg" in options[name] else "off") for name in picks}
+    feasible = all(_compatible(options[name][mode]) and options[name][mode].fits
+                   for name, mode in with_cfg.items())
+
+    def job_s(modes: dict[str, str]) -> float:
+        return sum(steps[n] * options[n][m].step.total_s for n, m in modes.items())
+
+    labels = {"pass1": "PASS1", "pass2": "PASS2"}
+    split = ", ".join(labels[n] for n, m in picks.items() if m == "cfg")
+    words = {"cfg": "CFG split", "off": "on one GPU"}
+    changes = ", ".join(f"{labels[n]} runs {words[with_cfg[n]]} instead of {picks[n]}"
+                        for n in picks if with_cfg[n] != picks[n])
+    if feasible and job_s(with_cfg) < job_s(without_cfg):
+        return JobChoice(with_cfg, (
+            f"CFG Split's clones serve every pass: {changes} (job {job_s(with_cfg):.0f} s, "
+            f"against {job_s(without_cfg):.0f} s without CFG split)"))
+    why = (f"beside its clones {changes}" if feasible else
+           "another pass needs the pack's chunking or streamer (which do not run beside its "
+           "clones) or does not fit on one GPU")
+    return JobChoice(dict(without_cfg), (
+        f"CFG split in {split} not taken: {why} (job {job_s(without_cfg):.0f} s without it"
+        + (f", {job_s(with_cfg):.0f} s with it)" if feasible else ")")))
