@@ -75,6 +75,16 @@ def _before(patcher: Any, index: int) -> str:
             f"the pack's devices, or remove that node, to keep one choice)")
 
 
+def _cfg_split(patcher: Any) -> str:
+    """ComfyUI's MultiGPU CFG Split beside the placed DiT: where its copies run (core places
+    them; the pack's placement moves only its own copy)."""
+    devices = clones.cfg_split_devices(patcher)
+    if len(devices) < 2:
+        return ""
+    return (f"; MultiGPU CFG Split (ComfyUI) runs copies on "
+            f"{', '.join(str(d) for d in devices[1:])}")
+
+
 def _checked(obj_device, index: int, what: str, how: str, before: str = "") -> str:
     if _same_device(obj_device, torch_device(index)):
         return f"{what} -> {device_option(index)} ({how}){before}"
@@ -93,7 +103,8 @@ def place_model(model: Any, index: int) -> tuple[Any, str]:
     if placed is model:  # never add the guard to the caller's patcher
         placed = model.clone()
     guard_diffusion_model(placed)
-    return placed, _checked(getattr(placed, "load_device", None), index, "DiT", how, before)
+    return placed, _checked(getattr(placed, "load_device", None), index, "DiT", how,
+                            before + _cfg_split(placed))
 
 
 def place_clip(clip: Any, index: int) -> tuple[Any, str]:

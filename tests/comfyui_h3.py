@@ -366,7 +366,8 @@ def _lowvram_budget(patcher, budget_bytes: int):
 
 def run_like_sampler(patcher, inputs: H3Inputs, *, sigmas=(0.9, 0.0), seed: int = 0,
                      sampler_name: str = "euler", lowvram_bytes: int | None = None,
-                     callback=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     callback=None, negative: list | None = None, cfg: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `inputs` with ComfyUI's own sampler path and return (video, audio) on the CPU.
 
     This is SamplerCustomAdvanced with BasicGuider: `CFGGuider.sample` packs the nested latent,
@@ -376,12 +377,17 @@ def run_like_sampler(patcher, inputs: H3Inputs, *, sigmas=(0.9, 0.0), seed: int 
     and each step calls `apply_model` with the patcher's model_options (transformer_options,
     wrappers, patches_replace). The default sigmas (0.9, 0) make one model call, and the
     result is that call's x0 prediction. lowvram_bytes gives the model a partial-load budget
-    (see `_lowvram_budget`).
+    (see `_lowvram_budget`). With `negative` it is CFGGuider at `cfg` (KSampler's guider: cond
+    and uncond each step, which ComfyUI's MultiGPU CFG Split shares among its clones).
     """
     comfy = import_comfyui()
-    guider = _guider_class()(patcher)
-    guider.set_conds(inputs.positive)
-    guider.set_cfg(1.0)
+    if negative is None:
+        guider = _guider_class()(patcher)
+        guider.set_conds(inputs.positive)
+    else:
+        guider = comfy.samplers.CFGGuider(patcher)
+        guider.set_conds(inputs.positive, negative)
+    guider.set_cfg(cfg)
     sampler = comfy.samplers.sampler_object(sampler_name)
     sigmas = torch.tensor(sigmas, dtype=torch.float32)
     latent = comfy.sample.fix_empty_latent_channels(patcher, inputs.latent)

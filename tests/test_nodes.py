@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import re
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -454,3 +455,20 @@ def test_a_select_device_choice_the_placement_overrides_is_said(tiny_twin):
     assert "a Select Device node chose cuda:0" in note and "overrides it" in note
     agreed, note = comfy_placement.place_model(model, 0)  # the same choice: nothing to say
     assert "Select Device" not in note
+
+
+def test_the_placement_note_says_where_cfg_split_runs_its_copies(tiny_twin, monkeypatch):
+    """Core's MultiGPU CFG Split came first (a copy flagged for cuda:0, carried by every clone
+    as ComfyUI's additional models are): the DiT's note says the pack placed its copy and
+    ComfyUI's node runs the other."""
+    copy = types.SimpleNamespace(load_device=torch.device("cuda", 0),
+                                 is_multigpu_base_clone=True)
+    monkeypatch.setattr(TwinPatcher, "get_additional_models_with_key",
+                        lambda self, key: [copy] if key == "multigpu" else [], raising=False)
+    _, note = comfy_placement.place_model(TwinPatcher(tiny_twin), 1)
+    assert note.startswith("DiT -> gpu:1") and "MultiGPU CFG Split (ComfyUI) runs copies on " \
+        "cuda:0" in note
+    monkeypatch.setattr(TwinPatcher, "get_additional_models_with_key", lambda self, key: [])
+    _, plain = comfy_placement.place_model(TwinPatcher(tiny_twin), 1)
+    assert "CFG Split" not in plain
+
