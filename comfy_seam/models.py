@@ -87,6 +87,12 @@ def torch_device() -> torch.device:
     return _mm().get_torch_device()
 
 
+def default_device() -> torch.device | None:
+    """ComfyUI's default compute device (`get_torch_device`), None outside ComfyUI."""
+    mm = runtime.model_management(importing=True)
+    return None if mm is None else mm.get_torch_device()
+
+
 def should_use_fp16(device: torch.device) -> bool:
     """`model_management.should_use_fp16(device)`: whether ComfyUI runs fp16 on `device`."""
     return bool(_mm().should_use_fp16(device))

@@ -68,11 +68,22 @@ def retarget_patcher(patcher: Any, target) -> tuple[Any, str]:
 def _before(patcher: Any, index: int) -> str:
     """Who placed the object before the pack: a core Select*Device node's choice, said where
     the pack's placement differs (only the pack's copy loads: ComfyUI loads when it runs)."""
-    chosen = clones.select_device_choice(patcher)
+    chosen, who = clones.select_device_choice(patcher), "a Select Device node"
+    if chosen is None:
+        chosen, who = _loader_choice(patcher), "the loader's device input (or a ComfyUI flag)"
     if chosen is None or _same_device(chosen, torch_device(index)):
         return ""
-    return (f"; a Select Device node chose {chosen}, the pack's placement overrides it (set "
-            f"the pack's devices, or remove that node, to keep one choice)")
+    return (f"; {who} chose {chosen}, the pack's placement overrides it (set the pack's "
+            f"devices, or that choice, to keep one)")
+
+
+def _loader_choice(patcher: Any) -> Any | None:
+    """The patcher's device where it is not ComfyUI's default one: a loader's `device` input
+    (CLIPLoader's "cpu", newer core's UNET/VAE loaders) chose it; None outside ComfyUI."""
+    device, default = getattr(patcher, "load_device", None), models.default_device()
+    if device is None or default is None or _same_device(device, default):
+        return None
+    return device
 
 
 def _cfg_split(patcher: Any) -> str:

@@ -472,3 +472,18 @@ def test_the_placement_note_says_where_cfg_split_runs_its_copies(tiny_twin, monk
     _, plain = comfy_placement.place_model(TwinPatcher(tiny_twin), 1)
     assert "CFG Split" not in plain
 
+
+def test_a_loader_device_choice_the_placement_overrides_is_said(tiny_twin, monkeypatch):
+    """CLIPLoader's device "cpu" (or newer core's loader device inputs) left the patcher off
+    ComfyUI's default device: the pack's placement note says it overrides that choice."""
+    from h3_multigpu.comfy_seam import models
+
+    monkeypatch.setattr(models, "default_device", lambda: torch.device("cuda", 0))
+    model = TwinPatcher(tiny_twin)
+    model.load_device = torch.device("cpu")  # the loader's choice
+    _, note = comfy_placement.place_model(model, 1)
+    assert "the loader's device input (or a ComfyUI flag) chose cpu" in note
+    model.load_device = torch.device("cuda", 0)  # ComfyUI's default: nobody chose
+    _, plain = comfy_placement.place_model(model, 1)
+    assert "chose" not in plain
+
