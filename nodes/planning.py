@@ -22,12 +22,13 @@ def make_plan(*, pass2_width: int, pass2_height: int, pass1_width: int, pass1_he
               seconds: float, devices: str, lora_rank: int, parallel: str = "auto",
               dynamic_vram: str = "auto", pinned_budget_bytes: int | None = None,
               attention: str = "auto", model_request: dict[str, Any] | None = None,
-              one_pass: bool = False) -> Any:
+              one_pass: bool = False, pass1_cfg: float = 1.0, pass2_cfg: float = 1.0) -> Any:
     """plan_job for the two-pass job; ValueError for bad input, PlannerUnavailable if absent.
     `dynamic_vram` / `pinned_budget_bytes` / `attention`: what this ComfyUI runs with
     (`comfy_loader_inputs`); attention "auto" on this machine is what ComfyUI would run.
     `model_request`: PlanRequest fields read from the loaded model (its weight format);
-    `one_pass`: the graph samples once (no PASS1 before an upscale)."""
+    `one_pass`: the graph samples once (no PASS1 before an upscale); `pass1_cfg` /
+    `pass2_cfg`: each pass's guidance scale (above 1 the plan weighs CFG split)."""
     try:
         from ..planner import PlanRequest, plan_job
     except ImportError as exc:
@@ -39,7 +40,8 @@ def make_plan(*, pass2_width: int, pass2_height: int, pass1_width: int, pass1_he
                           pass1_width=pass1_width, pass1_height=pass1_height,
                           profile=profile, lora_rank=lora_rank, parallel=parallel,
                           dynamic_vram=dynamic_vram, pinned_budget_bytes=pinned_budget_bytes,
-                          attention=attention, **(model_request or {}),
+                          attention=attention, pass1_cfg=pass1_cfg, pass2_cfg=pass2_cfg,
+                          **(model_request or {}),
                           **({"pass1_steps": 0} if one_pass else {}))
     return plan_job(request)
 

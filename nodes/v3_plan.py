@@ -41,6 +41,17 @@ def size_inputs() -> list:
     ]
 
 
+def cfg_inputs() -> list:
+    """The guidance scale of each pass (the Plan node): above 1 a step makes two model calls,
+    and the plan weighs ComfyUI's MultiGPU CFG Split against the pack's modes."""
+    tip = ("guidance scale (cfg) of the pass's sampler: 1 = one model call a step (the turbo "
+           "LoRA's); above 1 two, and the plan weighs ComfyUI's MultiGPU CFG Split too.")
+    return [io.Float.Input("pass1_cfg", default=1.0, min=0.0, max=100.0, step=0.1,
+                           optional=True, tooltip=f"PASS1 {tip}"),
+            io.Float.Input("pass2_cfg", default=1.0, min=0.0, max=100.0, step=0.1,
+                           optional=True, tooltip=f"PASS2 {tip}")]
+
+
 PARALLEL_TIP = ("How the GPUs share each sampling step: 'auto' picks per pass the fastest of "
                 "sequence parallel (every GPU runs every block on part of the tokens), heads "
                 "(Dual-Sage: attention heads split) and one GPU, by predicted time; or force "
@@ -76,7 +87,7 @@ class H3MultiGPUPlan(io.ComfyNode):
                         "job takes (the report's first line), each GPU's memory peak, how the "
                         "GPUs share each pass, chunking and streamed blocks, timed with the "
                         "attention this ComfyUI runs.",
-            inputs=size_inputs(),
+            inputs=[*size_inputs(), *cfg_inputs()],
             outputs=[Plan.Output(display_name="plan"),
                      io.String.Output(display_name="report")],
         )
@@ -90,10 +101,11 @@ class H3MultiGPUPlan(io.ComfyNode):
 
     @classmethod
     def execute(cls, pass2_width, pass2_height, pass1_width, pass1_height, seconds, devices,
-                lora_rank) -> io.NodeOutput:
+                lora_rank, pass1_cfg=1.0, pass2_cfg=1.0) -> io.NodeOutput:
         plan = make_plan(pass2_width=pass2_width, pass2_height=pass2_height,
                          pass1_width=pass1_width, pass1_height=pass1_height, seconds=seconds,
-                         devices=devices, lora_rank=lora_rank,
+                         devices=devices, lora_rank=lora_rank, pass1_cfg=pass1_cfg,
+                         pass2_cfg=pass2_cfg,
                          **comfy_loader_inputs(devices))  # the loader this ComfyUI runs
         report = plan.report()
         return io.NodeOutput(plan, report, ui=preview_text(report))

@@ -487,3 +487,17 @@ def test_a_loader_device_choice_the_placement_overrides_is_said(tiny_twin, monke
     _, plain = comfy_placement.place_model(model, 1)
     assert "chose" not in plain
 
+
+
+def test_the_plan_node_weighs_cfg_split_above_cfg_1():
+    """The Plan node's pass1_cfg/pass2_cfg reach the planner: at CFG 4 on two H200s both passes
+    run ComfyUI's MultiGPU CFG Split, at the default 1 neither considers it."""
+    from h3_multigpu.nodes.planning import make_plan
+
+    sizes = dict(pass2_width=1312, pass2_height=736, pass1_width=864, pass1_height=480,
+                 seconds=5.0, devices="2xH200", lora_rank=128)
+    split = make_plan(**sizes, pass1_cfg=4.0, pass2_cfg=4.0)
+    assert {p.mode for p in split.parallel.passes.values()} == {"cfg"}
+    assert "MultiGPU CFG Split (max_gpus 2)" in split.report()
+    plain = make_plan(**sizes)
+    assert all("cfg" not in p.options_s for p in plain.parallel.passes.values())
