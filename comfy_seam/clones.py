@@ -256,6 +256,20 @@ def container(block: torch.nn.Module) -> Any:
 # ---------------------------------------------------------------- ComfyUI's own CFG split
 
 
+def apply_cfg_split(patcher: Any, max_gpus: int) -> Any:
+    """ComfyUI's own CFG split on a clone of `patcher`: exactly what the MultiGPU CFG Split node
+    does (`comfy.multigpu.create_multigpu_deepclones(model, max_gpus, reuse_loaded=True)`: a
+    deep clone from the loader's factory on each of core's first `max_gpus - 1` devices other
+    than the patcher's, the conds shared among them in core's thread pool). RuntimeError on a
+    ComfyUI without it or a loader without a reload factory."""
+    module = runtime.multigpu()
+    create = getattr(module, "create_multigpu_deepclones", None)
+    if create is None:
+        raise RuntimeError("this ComfyUI has no MultiGPU CFG Split (comfy.multigpu."
+                           "create_multigpu_deepclones)")
+    return create(patcher, max_gpus, reuse_loaded=True)
+
+
 def cfg_split_devices(patcher: Any) -> list[Any]:
     """The GPUs ComfyUI's MultiGPU CFG Split (`MultiGPU_WorkUnits`, comfy/multigpu.py
     `create_multigpu_deepclones`) runs this patcher's conds on, the patcher's own device first;

@@ -198,6 +198,10 @@ INTERNALS: tuple[Internal, ...] = (
        used_by="clones._rebind_injections"),
     _i("comfy.weight_adapter.bypass", "source", "self.adapters", "clones._rebind_injections"),
     _i("comfy.weight_adapter.bypass", "source", "self.hooks", "clones._rebind_injections"),
+    # both beds: the newest-files bed keeps 0.33.0's comfy/ package under the newest H3 files
+    _i("comfy.multigpu:create_multigpu_deepclones", used_by="clones.apply_cfg_split"),
+    _i("comfy.multigpu:create_multigpu_deepclones", "param", (3, "reuse_loaded"),
+       "clones.apply_cfg_split"),
     _i(f"{MM}:current_loaded_models", used_by="clones.unload"),
     _i(f"{MM}:free_memory", "param", (2, "keep_loaded"), "clones.unload"),
             _i(H3, "source", "import comfy.model_management", "h3.in_training"),

@@ -61,6 +61,11 @@ def nodes_multigpu() -> ModuleType | None:
     return _module("comfy_extras.nodes_multigpu")
 
 
+def multigpu() -> ModuleType | None:
+    """`comfy.multigpu` (create_multigpu_deepclones: what MultiGPU CFG Split runs)."""
+    return _module("comfy.multigpu")
+
+
 def comfy_nodes() -> ModuleType | None:
     """ComfyUI's `nodes` module (its NODE_CLASS_MAPPINGS registry) when ComfyUI has imported
     it; never imported here: outside ComfyUI a top-level `nodes` may be another package."""

@@ -207,11 +207,43 @@ def apply_plan(model: Any, plan: Any, placement: Placement,
                 lines[name] = "applied (the library recorded no status line)"
             except FeatureUnavailable as exc:
                 lines[name] = f"NOT ACTIVE: {exc}"
+    model, cfg_line = _cfg_split_for_plan(model, plan, placement)
     recorded = feature_lines(model)
     for name, line in recorded.items():
         if name not in lines or lines[name].startswith("applied"):
             lines[name] = line  # the library's own words win for what it applied
+    if cfg_line is not None:
+        lines["cfg_split"] = cfg_line
     return model, lines
+
+
+def _cfg_split_for_plan(model: Any, plan: Any, placement: Placement) -> tuple[Any, str | None]:
+    """Where the plan runs a pass as CFG split (above CFG 1, `planner.cfg_split`), ComfyUI's own
+    MultiGPU CFG Split set up on the model, as its node does (after the placement, so core's
+    extra GPU is the one beside the root); the pack's split features are off in such a plan.
+    None when no pass is planned so (no line: nothing to say at CFG 1)."""
+    from ..comfy_seam import clones
+
+    passes = getattr(getattr(plan, "parallel", None), "passes", {}) or {}
+    split = [name.upper() for name, p in passes.items() if p.mode == "cfg"]
+    if not split:
+        return model, None
+    where = ", ".join(split)
+    if not placement.multi_gpu:
+        return model, f"off: only one GPU is in use here (the plan splits CFG in {where})"
+    try:
+        split_model = clones.apply_cfg_split(model, 2)
+    except RuntimeError as exc:
+        return model, (f"NOT ACTIVE: {exc}; {where} run cond and uncond one after the other "
+                       "on the root")
+    devices = clones.cfg_split_devices(split_model)
+    if len(devices) < 2:
+        return model, ("NOT ACTIVE: ComfyUI set up no copy (its device list has no GPU "
+                       f"besides {getattr(model, 'load_device', '?')}); {where} run both calls "
+                       "on the root")
+    return split_model, (f"ComfyUI's MultiGPU CFG Split (max_gpus 2): cond and uncond one a "
+                         f"GPU on {', '.join(str(d) for d in devices)}, its copy from the "
+                         f"loader's factory; the plan splits CFG in {where}")
 
 
 def _prefetch_for_loader(model: Any, plan: Any, wanted: dict[str, str] | str

@@ -21,6 +21,9 @@ What this module plans, with the same rates and memory model as the other modes:
   on one GPU (`resolve_job`);
 - on four GPUs, CFG Split times sequence parallel (2x2) is timed and named, not picked: the
   pack does not run its sequence mode inside CFG Split's clones.
+
+Where a plan splits CFG, the drop-in node sets core's CFG Split up itself
+(`nodes.features.apply_plan` -> `comfy_seam.clones.apply_cfg_split`).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ NEEDS_CHUNKING = ("chunking is forced on, and the pack does not run it beside CF
 NEEDS_STREAMER = ("the DiT streams on the root through the pack's block streamer (legacy "
                   "loader), which does not run beside CFG Split's clones")
 NO_2X2 = "the pack does not run sequence parallel inside CFG Split's clones yet"
-HOW = ("add ComfyUI's MultiGPU CFG Split (max_gpus 2) on the model before the sampler; the "
-       "pack's split, chunking and streaming features stay off for this model")
+HOW = ("the H3 Multi-GPU node sets up ComfyUI's MultiGPU CFG Split (max_gpus 2) from this "
+       "plan (or add that core node before the sampler); the pack's split, chunking and "
+       "streaming features stay off for this model")
 
 
 def clone_bytes(ctx: DiTContext) -> tuple[int, int]:

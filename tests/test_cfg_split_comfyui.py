@@ -174,3 +174,27 @@ def test_at_max_gpus_1_there_are_no_clones_and_chunking_runs_as_alone(stand_in_g
     assert runtime is not None and sum(sum(c.calls.values()) for c in
                                        runtime.chunkers.values()) > 0
     assert _same(out, alone)
+
+
+def test_a_plan_that_splits_cfg_sets_up_core_cfg_split(stand_in_gpus, split_calls, job):
+    """The drop-in node's apply_plan with a plan that splits CFG (two H200s at CFG 4): core's
+    own CFG Split is set up on the placed model (its extra device the one beside the root), the
+    pack's split features stay off, and the output is core's CFG-split output."""
+    from h3_multigpu.nodes.features import apply_plan
+    from h3_multigpu.nodes.placement import Placement
+    from h3_multigpu.nodes.planning import make_plan
+
+    plan = make_plan(pass2_width=1312, pass2_height=736, pass1_width=864, pass1_height=480,
+                     seconds=5.0, devices="2xH200", lora_rank=128, pass1_cfg=CFG,
+                     pass2_cfg=CFG)
+    assert {p.mode for p in plan.parallel.passes.values()} == {"cfg"}
+    patcher = make_tiny_h3(CONFIG)
+    reference = sample(cfg_split(patcher, 2), job)
+    placed = guard_diffusion_model(patcher.clone())
+    model, lines = apply_plan(placed, plan, Placement(root=1, helper=0, gpus=()))
+    assert lines["cfg_split"].startswith("ComfyUI's MultiGPU CFG Split (max_gpus 2): cond and "
+                                         "uncond one a GPU on cpu, cpu:0")
+    assert all(lines[f].startswith("off") for f in ("sequence", "dual_sage", "chunking"))
+    assert cfg_split_devices(model) == stand_in_gpus[:2] and cfg_split_devices(placed) == []
+    out = sample(model, job)
+    assert split_calls and _same(out, reference)

@@ -501,3 +501,25 @@ def test_the_plan_node_weighs_cfg_split_above_cfg_1():
     assert "MultiGPU CFG Split (max_gpus 2)" in split.report()
     plain = make_plan(**sizes)
     assert all("cfg" not in p.options_s for p in plain.parallel.passes.values())
+
+
+def test_a_cfg_split_plan_without_core_cfg_split_says_so(tiny_twin):
+    """Outside a ComfyUI with comfy.multigpu the plan's CFG split cannot be set up: the line
+    says so and the model is unchanged (both calls on the root)."""
+    from h3_multigpu.nodes.features import apply_plan
+    from h3_multigpu.nodes.placement import Placement
+    from h3_multigpu.nodes.planning import make_plan
+
+    plan = make_plan(pass2_width=1312, pass2_height=736, pass1_width=864, pass1_height=480,
+                     seconds=5.0, devices="2xH200", lora_rank=128, pass1_cfg=4.0,
+                     pass2_cfg=4.0)
+    model = TwinPatcher(tiny_twin)
+    out, lines = apply_plan(model, plan, Placement(root=1, helper=0, gpus=()))
+    assert lines["cfg_split"].startswith("NOT ACTIVE: this ComfyUI has no MultiGPU CFG Split")
+    assert "PASS1, PASS2 run cond and uncond one after the other" in lines["cfg_split"]
+    _, one = apply_plan(model, plan, Placement(root=1, helper=None, gpus=()))
+    assert one["cfg_split"].startswith("off: only one GPU is in use here")
+    _, plain = apply_plan(model, make_plan(pass2_width=1312, pass2_height=736, pass1_width=864,
+                                           pass1_height=480, seconds=5.0, devices="1x5090",
+                                           lora_rank=128), Placement(root=0, helper=None, gpus=()))
+    assert "cfg_split" not in plain
