@@ -16,6 +16,7 @@ from block_workload import (
 from twin import TwinConfig, TwinPatcher
 
 from h3_multigpu.chunking import ChunkingConfig, apply_activation_chunking, sizing
+from h3_multigpu.common import exact_rows
 
 pytestmark = pytest.mark.gpu
 RANK = 128
@@ -71,9 +72,17 @@ def test_full_block_chunked_is_bit_identical(full_block, config):
     calls = (len(sizing.row_chunks(workload.tokens, plan.ffn_chunk, plan.ffn_floor)),
              len(sizing.row_chunks(workload.tokens, plan.qkv_chunk, plan.qkv_floor)),
              len(sizing.head_groups(56, plan.head_group, workload.tokens)))
-    assert max(calls) > 1, calls  # engaged
     diff = (chunked.float() - reference.float()).abs().max().item()
     assert torch.equal(chunked, reference), f"max abs diff {diff}"
+    if max(calls) == 1:
+        # A GPU model that common/exact_rows.json does not list has no known row floor for the
+        # LoRA-adapted linears, so explicit row chunks stay whole where the block fits unchunked
+        # (chunking/wrappers.py): that is the feature here, and nothing was split to prove more.
+        name = torch.cuda.get_device_name()
+        assert exact_rows.table_for(name, "bfloat16") is None, (name, plan)
+        assert plan.kept and all("left whole" in why for why in plan.kept), plan
+        pytest.skip(f"{name} has no measured row floors: row chunks kept whole ({plan.kept[0]})")
+    assert max(calls) > 1, calls  # engaged
 
 
 @pytest.mark.multi_gpu
