@@ -66,6 +66,7 @@ def _cfg(text: str) -> tuple[float, float]:
 
 def _add_plan_parser(sub) -> None:
     from .planner.hardware import ATTENTION_KERNELS
+    from .planner.request import PARALLEL_MODES
 
     p = sub.add_parser("plan", help="plan device placement, memory and time for a two-pass job",
                        description="Predict whether a two-pass H3 job fits, how long it takes, "
@@ -117,11 +118,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--chunking", choices=["auto", "on", "off"], default="auto",
                    help="FFN/QKV row chunking of the DiT's activations: auto = when the peak "
                         "of the mode that runs needs it; on (smallest chunks); off")
-    p.add_argument("--parallel", choices=["auto", "sequence", "heads", "cfg", "off"],
-                   default="auto",
+    p.add_argument("--parallel", choices=list(PARALLEL_MODES), default="auto",
                    help="how the GPUs share a step, per pass: auto picks the fastest mode that "
-                        "fits of sequence parallel, heads (Dual-Sage), CFG split (above CFG 1) "
-                        "and one GPU")
+                        "fits of sequence parallel, heads (Dual-Sage), CFG split (above CFG 1), "
+                        "CFG split x sequence (cfg_sequence, 2x2 on four GPUs) and one GPU")
     p.add_argument("--resident-blocks", type=int, default=None,
                    help="DiT blocks (0-50) the pack's streamer keeps on the root GPU, the rest "
                         "streamed (legacy loader only; under DynamicVRAM ComfyUI decides; "

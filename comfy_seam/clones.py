@@ -201,8 +201,11 @@ def _owner(model: torch.nn.Module, key: str) -> Any:
     return obj
 
 
-def set_clones(root: Any, clones: list[Any]) -> None:
-    root.set_additional_models(CLONES_KEY, clones)
+def set_clones(owner: Any, clones: list[Any]) -> None:
+    """The helper clones as additional models of `owner` (the root, or the CFG Split copy that
+    leads them: `match_multigpu_clones` carries a copy's additional models to the copy it
+    rebuilds, and deep-clones onto it only root models of a `clone_base_uuid` it has none of)."""
+    owner.set_additional_models(CLONES_KEY, clones)
 
 
 def pre_run(clone: Any) -> None:
@@ -274,13 +277,19 @@ def cfg_split_devices(patcher: Any) -> list[Any]:
     """The GPUs ComfyUI's MultiGPU CFG Split (`MultiGPU_WorkUnits`, comfy/multigpu.py
     `create_multigpu_deepclones`) runs this patcher's conds on, the patcher's own device first;
     empty when it set up no clones (max_gpus 1, one GPU, a ComfyUI without it)."""
-    getter = getattr(patcher, "get_additional_models_with_key", None)
-    if not callable(getter):
-        return []
-    extra = [m for m in getter(MULTIGPU_CLONES) if getattr(m, "is_multigpu_base_clone", False)]
+    extra = cfg_split_clones(patcher)
     if not extra:
         return []
     return [patcher.load_device, *(m.load_device for m in extra)]
+
+
+def cfg_split_clones(patcher: Any) -> list[Any]:
+    """CFG Split's per-GPU copies of this patcher (its additional models under "multigpu"
+    flagged `is_multigpu_base_clone`), in core's device order; empty when it set up none."""
+    getter = getattr(patcher, "get_additional_models_with_key", None)
+    if not callable(getter):
+        return []
+    return [m for m in getter(MULTIGPU_CLONES) if getattr(m, "is_multigpu_base_clone", False)]
 
 
 def select_device_choice(patcher: Any) -> Any | None:

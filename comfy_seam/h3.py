@@ -144,6 +144,13 @@ def forward_options(args: tuple, kwargs: dict) -> dict | None:
     return options if isinstance(options, dict) else None
 
 
+def wrapped_module(executor: Any) -> Any:
+    """The module a DIFFUSION_MODEL wrapper runs, or None. ComfyUI internal: the H3 model's
+    `forward` builds `WrapperExecutor.new_class_executor(self._forward, self, ...)`, so
+    `class_obj` is the diffusion model itself (0.33.0 and the newest files)."""
+    return getattr(executor, "class_obj", None)
+
+
 def sampled_patcher(executor: Any) -> Any:
     """The ModelPatcher an OUTER_SAMPLE wrapper samples with, or None. ComfyUI internal:
     `WrapperExecutor.class_obj` is the CFGGuider, whose `model_patcher` is the model."""

@@ -109,9 +109,17 @@ class LinkInfo:
     """What the seam knows of one installed wrapper or chained link."""
 
     feature: str
-    state: Any  # the installing feature's state (None when it gave none)
+    # the installing feature's state, weakly: a value of `_LINKS` that held it would keep its
+    # own key alive through the state (a mode's helper clones carry the patcher's links), and
+    # with it the mode and every clone it made, after the graph dropped the model
+    state_ref: Callable[[], Any]
     previous: Any  # chained links: the link it wraps (None: the original); wrappers: None
     transparent: bool
+
+    @property
+    def state(self) -> Any:
+        """The installing feature's state (None when it gave none or it is gone)."""
+        return self.state_ref()
 
 
 # Keyed by the installed callable itself, weakly: a link is known while a patcher holds it.
@@ -256,7 +264,14 @@ def _register(feature: str, state: Any, hooks: tuple[Hook, ...]) -> None:
         if hook.kind in ("wrapper", *_CHAINED):
             previous = None if hook.kind == "wrapper" or hook.previous is _UNSET \
                 else hook.previous
-            _LINKS[hook.installed] = LinkInfo(feature, state, previous, hook.transparent)
+            _LINKS[hook.installed] = LinkInfo(feature, _weak(state), previous,
+                                              hook.transparent)
+
+
+def _weak(state: Any) -> Callable[[], Any]:
+    if state is None:
+        return lambda: None
+    return weakref.ref(state)  # install() asks for a weak-referenceable state
 
 
 def _apply(patcher: Any, key: str, hook: Hook) -> Hook:

@@ -47,3 +47,27 @@ def validate_devices(root: torch.device, helpers: Sequence[torch.device]) -> Non
         if root.type == "cuda" and device.index == (root.index or 0):
             raise ValueError(f"helper device {device} is the root GPU running the model; pick "
                              "another GPU as helper")
+
+
+CFG_SPLIT_NODE = "MultiGPU CFG Split"
+
+
+def cfg_split_groups(leads: Sequence[torch.device], helpers: Sequence[torch.device]
+                     ) -> tuple[list[list[torch.device]] | None, str | None]:
+    """Sequence parallel inside ComfyUI's MultiGPU CFG Split (2x2 on four GPUs): each GPU CFG
+    Split runs a cond on (`leads`, the root first) leads one group, and the sequence helpers
+    CFG Split does not use are dealt to the groups in turn (the root's first). Returns (the
+    groups, lead first, None) or (None, why not): every group needs the same number (>= 1) of
+    helpers, or the slower group would set the pace and one lead would run alone."""
+    free = [d for d in helpers if d not in leads]
+    where = ", ".join(str(d) for d in leads)
+    if not free or len(free) % len(leads):
+        left = ", ".join(str(d) for d in free) or "none"
+        return None, (f"{CFG_SPLIT_NODE} (ComfyUI's node) runs a cond on each of {where}; "
+                      f"sequence parallel beside it needs the same number of helper GPUs for "
+                      f"each of them, from the GPUs CFG Split does not use, and {left} are "
+                      f"left. Four GPUs run as 2x2 with CFG Split's max_gpus at 2 and "
+                      f"sequence helpers 'auto'; else set {CFG_SPLIT_NODE}'s max_gpus to 1 or "
+                      f"remove it, or switch the pack's sequence off")
+    groups = [[lead, *free[i::len(leads)]] for i, lead in enumerate(leads)]
+    return groups, None

@@ -89,7 +89,7 @@ def apply_feature(model: Any, feature: str, config: Any) -> Any:
     """The feature's apply function, then the DiT device guard on its clone (idempotent)."""
     module, name = APPLY[feature]
     (apply,) = _load(module, name)
-    check_cfg_split(model, (feature,))  # ComfyUI's MultiGPU CFG Split came before the pack
+    check_cfg_split(model, (feature,), config)  # ComfyUI's CFG Split came before the pack
     patched = apply(model, config)
     if patched is not model:
         guard_diffusion_model(patched)
@@ -148,9 +148,11 @@ def plan_feature_strings(plan: Any) -> dict[str, dict[str, str] | str]:
         out["prefetch"] = f"off: {pre.reason}"
     parallel = getattr(plan, "parallel", None)
     if parallel is not None and parallel.sequence_used:
-        out["sequence"] = {"parallel": "sequence" if parallel.requested == "sequence" else "auto",
-                           "helpers": ",".join(f"gpu:{i}" for i in plan.helper_devices),
-                           "split": ":".join(f"{w:g}" for w in parallel.row_weights)}
+        order = parallel.sequence_devices([plan.root_device, *plan.helper_devices])
+        forced = parallel.requested in ("sequence", "cfg_sequence")
+        out["sequence"] = {"parallel": "sequence" if forced else "auto",
+                           "helpers": ",".join(f"gpu:{i}" for i in order[1:]),
+                           "split": ":".join(f"{w:g}" for w in parallel.row_weights[:len(order)])}
     elif parallel is not None:
         why = "; ".join(f"{n.upper()} {p.mode}: {p.reason}" for n, p in parallel.passes.items())
         out["sequence"] = f"off: {why}"
@@ -225,7 +227,7 @@ def _cfg_split_for_plan(model: Any, plan: Any, placement: Placement) -> tuple[An
     from ..comfy_seam import clones
 
     passes = getattr(getattr(plan, "parallel", None), "passes", {}) or {}
-    split = [name.upper() for name, p in passes.items() if p.mode == "cfg"]
+    split = [name.upper() for name, p in passes.items() if p.mode in ("cfg", "cfg_sequence")]
     if not split:
         return model, None
     where = ", ".join(split)

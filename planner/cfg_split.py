@@ -19,8 +19,9 @@ What this module plans, with the same rates and memory model as the other modes:
   loader) or chunking is forced on, saying so; and since the
   clones serve the model in every pass, a job that splits CFG in one pass runs its other passes
   on one GPU (`resolve_job`);
-- on four GPUs, CFG Split times sequence parallel (2x2) is timed and named, not picked: the
-  pack does not run its sequence mode inside CFG Split's clones.
+- on four GPUs the pack's sequence mode can run inside CFG Split's copies, one pair a cond
+  (2x2, `two_by_two`); it is a mode of its own, weighed with the others and, like this one,
+  ruled by `resolve_job` (both are `CFG_MODES`).
 
 Where a plan splits CFG, the drop-in node sets core's CFG Split up itself
 (`nodes.features.apply_plan` -> `comfy_seam.clones.apply_cfg_split`).
@@ -33,7 +34,6 @@ from typing import TYPE_CHECKING
 
 from ..common import geometry
 from ..offload import sizing as offload_sizing
-from ..sequence import sizing as sequence_sizing
 from . import timing
 from .hardware import GiB
 from .memory import ChunkSettings, block_activation_peak
@@ -48,7 +48,7 @@ NEEDS_CHUNKING = ("chunking is forced on, and the pack does not run it beside CF
                   "clones")
 NEEDS_STREAMER = ("the DiT streams on the root through the pack's block streamer (legacy "
                   "loader), which does not run beside CFG Split's clones")
-NO_2X2 = "the pack does not run sequence parallel inside CFG Split's clones yet"
+CFG_MODES = ("cfg", "cfg_sequence")  # the modes that run on CFG Split's copies (two_by_two.MODE)
 HOW = ("the H3 Multi-GPU node sets up ComfyUI's MultiGPU CFG Split (max_gpus 2) from this "
        "plan (or add that core node before the sampler); the pack's split, chunking and "
        "streaming features stay off for this model")
@@ -119,25 +119,6 @@ def cfg_step(ctx: DiTContext, *, tokens: int, prefetch: PrefetchPlan,
                            streaming_s=max(root_stream, helper_stream), calls=1)
 
 
-def two_by_two_s(ctx: DiTContext, tokens: int) -> float | None:
-    """CFG Split over two pairs, each pair sequence parallel on one cond (four GPUs and more):
-    the slower pair's step, every GPU holding the DiT; None below four GPUs."""
-    if len(ctx.helpers) < 3:
-        return None
-    link = ctx.profile.link
-    pairs = ((ctx.root, ctx.helpers[1]), (ctx.helpers[0], ctx.helpers[2]))
-    worst = 0.0
-    for pair in pairs:
-        rates = [ctx.rates[i] for i in pair]
-        weights = tuple(r.gemm_tflops for r in rates)
-        weights = weights if len(set(weights)) > 1 else (1.0, 1.0)
-        heads = tuple(sequence_sizing.split_counts(geometry.HEADS, weights))
-        block = timing.sequence_block_s(tokens, rates, heads, link, row_weights=weights,
-                                        helper_streamed_block_bytes=0)
-        worst = max(worst, geometry.BLOCKS * block)
-    return worst
-
-
 @dataclass(frozen=True)
 class JobChoice:
     """Per pass the option that runs, after the whole-model rule of CFG Split's clones."""
@@ -149,7 +130,7 @@ class JobChoice:
 def _compatible(option: ModeOption) -> bool:
     """A pass's option that can run beside CFG Split's clones (one GPU, nothing of the pack's
     chunking or streamer), or the split itself."""
-    if option.memory.mode == "cfg":
+    if option.memory.mode in CFG_MODES:
         return True
     return (option.memory.mode == "off" and not option.memory.chunks.active
             and not (option.prefetch.streamer == "pack" and option.prefetch.streamed_blocks))
@@ -161,19 +142,26 @@ def resolve_job(picks: dict[str, str], without_cfg: dict[str, str],
     pass picks "cfg" (`picks`) and another pass a mode that cannot run beside it, keep the
     faster job of two: CFG split with the other passes on one GPU, or each pass's choice
     without CFG split (`without_cfg`)."""
-    if "cfg" not in picks.values() or all(
+    if not set(CFG_MODES) & set(picks.values()) or all(
             _compatible(options[name][mode]) for name, mode in picks.items()):
         return JobChoice(dict(picks), "")
-    with_cfg = {name: ("cfg" if "cfg" in options[name] else "off") for name in picks}
-    feasible = all(_compatible(options[name][mode]) and options[name][mode].fits
-                   for name, mode in with_cfg.items())
 
     def job_s(modes: dict[str, str]) -> float:
         return sum(steps[n] * options[n][m].step.total_s for n, m in modes.items())
 
+    def beside(name: str) -> str:
+        """A pass's fastest fitting mode on CFG Split's copies, else one GPU."""
+        family = [m for m in CFG_MODES if m in options[name] and options[name][m].fits]
+        return min(family, key=lambda m: options[name][m].step.total_s) if family else "off"
+
+    with_cfg = {name: (mode if mode in CFG_MODES else beside(name))
+                for name, mode in picks.items()}
+    feasible = all(_compatible(options[name][mode]) and options[name][mode].fits
+                   for name, mode in with_cfg.items())
     labels = {"pass1": "PASS1", "pass2": "PASS2"}
-    split = ", ".join(labels[n] for n, m in picks.items() if m == "cfg")
-    words = {"cfg": "CFG split", "off": "on one GPU"}
+    split = ", ".join(labels[n] for n, m in picks.items() if m in CFG_MODES)
+    words = {"cfg": "CFG split", "cfg_sequence": "CFG split x sequence (2x2)",
+             "off": "on one GPU"}
     changes = ", ".join(f"{labels[n]} runs {words[with_cfg[n]]} instead of {picks[n]}"
                         for n in picks if with_cfg[n] != picks[n])
     if feasible and job_s(with_cfg) < job_s(without_cfg):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import two_by_two
 from .decode import DecodePlan, plan_decode
 from .hardware import GiB
 from .memory import ChunkSettings
@@ -30,7 +31,8 @@ from .sizing import upscale_workspace
 
 TEXT_ENCODER_WORKSPACE = int(0.75 * GiB)
 MODE_WORDS = {"off": "one GPU", "heads": "Dual-Sage", "sequence": "sequence parallel",
-              "cfg": "CFG split (ComfyUI's MultiGPU CFG Split)"}
+              "cfg": "CFG split (ComfyUI's MultiGPU CFG Split)",
+              two_by_two.MODE: two_by_two.WORDS}
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,11 @@ def _gpu_plans(ctx: DiTContext, passes: dict[str, PassMemory], prefetch: Prefetc
             if memory.mode == "heads":
                 share = ctx.dual.split[1 + placement.helpers.index(index)]
                 g.phases[label] = PhaseMemory(resident, 0, _helper_workspace(ctx, name, share))
-            elif memory.mode == "sequence" or (memory.mode == "cfg" and index == side):
-                # CFG Split's clone runs on core's first extra device, the first helper
+            elif memory.mode == "sequence" or (memory.mode == "cfg" and index == side) or (
+                    memory.mode == two_by_two.MODE
+                    and index in two_by_two.sequence_helpers(placement.helpers)):
+                # CFG Split's clone runs on core's first extra device, the first helper; in
+                # 2x2 each of the three GPUs beside the root holds a whole DiT too
                 g.phases[label] = PhaseMemory(resident + memory.helper_dit_bytes,
                                               memory.helper_activation_bytes)
         gpus.append(g)

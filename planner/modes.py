@@ -18,7 +18,7 @@ from ..common import geometry
 from ..dual_sage import sizing as dual_sage_sizing
 from ..offload import sizing as offload_sizing
 from ..sequence import sizing as sequence_sizing
-from . import cfg_split, timing
+from . import cfg_split, timing, two_by_two
 from .attention import AttentionChoice
 from .components import ComponentSizes
 from .hardware import GiB, HardwareProfile
@@ -33,7 +33,7 @@ from .sizing import dual_sage_helper_workspace
 MIN_SPARE_BYTES = int(0.5 * GiB)  # left free beyond the reserve when streaming can give it
 CHUNK_ROWS = (32768, 16384, 8192, 4096)  # large chunks keep the GEMMs efficient
 LABELS = {"pass1": "PASS1", "pass2": "PASS2"}
-MODE_ORDER = ("off", "heads", "sequence", "cfg")
+MODE_ORDER = ("off", "heads", "sequence", "cfg", two_by_two.MODE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +141,8 @@ def pass_memory(ctx: DiTContext, *, mode: str, tokens: int, chunks: ChunkSetting
         return _sequence_memory(ctx, tokens, chunks, helper_weights)
     if mode == "cfg":
         return cfg_split.cfg_memory(ctx, tokens, chunks, helper_weights)
+    if mode == two_by_two.MODE:
+        return two_by_two.memory(ctx, tokens)
     extra = 0
     workspace = 0
     if mode == "heads":
@@ -213,6 +215,8 @@ def pass_step(ctx: DiTContext, *, mode: str, tokens: int, prefetch: PrefetchPlan
     if mode == "cfg":
         return cfg_split.cfg_step(ctx, tokens=tokens, prefetch=prefetch,
                                   helper_weights=helper_weights)
+    if mode == two_by_two.MODE:
+        return two_by_two.step(ctx, tokens=tokens, prefetch=prefetch)
     root = ctx.rates[ctx.root]
     helpers = [ctx.rates[h] for h in ctx.helpers]
     link = ctx.profile.link
@@ -250,12 +254,13 @@ def block_weight_bytes(ctx: DiTContext, prefetch: PrefetchPlan) -> int:
 def option(ctx: DiTContext, *, mode: str, tokens: int, calls: int = 1) -> ModeOption:
     """One pass in one mode, with the chunking and residency that mode would have alone."""
     # CFG Split's clones run no pack chunking: its pass is planned unchunked
-    chunks = ChunkSettings() if mode == "cfg" else needed_chunks(ctx, mode=mode, tokens=tokens)
+    chunks = ChunkSettings() if mode in cfg_split.CFG_MODES else \
+        needed_chunks(ctx, mode=mode, tokens=tokens)
     memory = pass_memory(ctx, mode=mode, tokens=tokens, chunks=chunks)
     prefetch = plan_prefetch(ctx.request, ctx.sizes,
                              free_for_blocks(ctx, memory.root_activation_bytes), ctx.loader,
                              ctx.root)
-    if mode == "cfg":
+    if mode in cfg_split.CFG_MODES:
         memory = cfg_split.with_root_refusal(memory, prefetch)
     short = max(0, root_need_bytes(ctx, memory, prefetch) - ctx.placement.usable_bytes[ctx.root])
     if mode == "heads":
@@ -295,17 +300,20 @@ def decide_modes(ctx: DiTContext) -> ModeDecision:
             if cfg_why is None:
                 options["cfg"] = split
         why_not = {"sequence": sequence.memory.refusal, "heads": heads_why, "cfg": cfg_why}
+        why_not[two_by_two.MODE] = two_by_two.unavailable(ctx, calls)
+        if why_not[two_by_two.MODE] is None:
+            pairs = option(ctx, mode=two_by_two.MODE, tokens=tokens, calls=calls)
+            why_not[two_by_two.MODE] = pairs.memory.refusal
+            if pairs.memory.refusal is None:
+                options[two_by_two.MODE] = pairs
         picks[name], notes[name] = _choose(requested=ctx.request.parallel, options=options,
                                            why_not=why_not)
         fallback[name] = picks[name]
-        if picks[name] == "cfg":
-            fallback[name], _ = _choose(requested=ctx.request.parallel,
-                                        options={m: o for m, o in options.items() if m != "cfg"},
-                                        why_not={**why_not, "cfg": "not taken"})
-        two_by_two = cfg_split.two_by_two_s(ctx, tokens) if calls == 2 else None
-        if two_by_two is not None:
-            notes[name] += (f"; CFG split x sequence parallel (2x2) would take "
-                            f"{two_by_two:.1f} s/it: {cfg_split.NO_2X2}")
+        if picks[name] in cfg_split.CFG_MODES:
+            fallback[name], _ = _choose(
+                requested=ctx.request.parallel,
+                options={m: o for m, o in options.items() if m not in cfg_split.CFG_MODES},
+                why_not={**why_not, **dict.fromkeys(cfg_split.CFG_MODES, "not taken")})
     steps = {"pass1": ctx.request.pass1_steps, "pass2": ctx.request.pass2_steps}
     job = cfg_split.resolve_job(picks, fallback, pools, steps)
     for name, mode in job.chosen.items():
@@ -324,7 +332,7 @@ def decide_modes(ctx: DiTContext) -> ModeDecision:
 
 
 FORCED_WORDS = {"sequence": "sequence refused", "heads": "heads not available",
-                "cfg": "CFG split not available"}
+                "cfg": "CFG split not available", two_by_two.MODE: "2x2 not available"}
 
 
 def _choose(*, requested: str, options: dict[str, ModeOption],
@@ -336,7 +344,9 @@ def _choose(*, requested: str, options: dict[str, ModeOption],
     if requested in FORCED_WORDS:
         if requested in options:
             return requested, "forced"
-        fallback = "heads" if requested == "sequence" and "heads" in options else "off"
+        # the next best of the same kind: heads for sequence, CFG split for the 2x2
+        nearest = {"sequence": "heads", two_by_two.MODE: "cfg"}.get(requested)
+        fallback = nearest if nearest in options else "off"
         return fallback, f"{FORCED_WORDS[requested]}: {why_not[requested]}"
     fitting = {m: o for m, o in options.items() if o.fits}
     pool = fitting or options
@@ -356,9 +366,11 @@ def _choose(*, requested: str, options: dict[str, ModeOption],
                                 f"over)" for m in sorted(unfit))
     if not fitting:
         why += "; none fits: the closest"
-    for name in ("sequence", "heads", "cfg"):
+    for name in ("sequence", "heads", "cfg", two_by_two.MODE):
         reason = why_not.get(name)
-        if reason is not None and name not in options and reason != cfg_split.AT_CFG_1:
+        # not said where the mode cannot apply at all (CFG 1; 2x2 below four GPUs)
+        if reason is not None and name not in options and \
+                reason not in (cfg_split.AT_CFG_1, two_by_two.NEEDS_FOUR):
             why += f"; {FORCED_WORDS[name]}: {reason}"
     return mode, why
 

@@ -17,12 +17,13 @@ from ..common.floors import EXACT_MIN_ROWS  # the GPU row floor (torch-free)
 from ..sequence.sizing import gpu_speed, link_speed  # the one conversion (runtime too)
 from .request import PARALLEL_MODES as MODES
 
+TWO_BY_TWO, TWO_BY_TWO_GPUS = "cfg_sequence", 4  # CFG split x sequence (planner.two_by_two)
 MARGIN = 1.03  # a split mode must beat one GPU by this factor to be picked (and Dual-Sage set up)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PassParallel:
-    mode: str  # "sequence" | "heads" | "cfg" | "off"
+    mode: str  # "sequence" | "heads" | "cfg" | "cfg_sequence" (2x2) | "off"
     reason: str
     step_time_s: float
     speedup: float  # over the root GPU alone
@@ -43,7 +44,17 @@ class ParallelPlan:
 
     @property
     def sequence_used(self) -> bool:
-        return any(p.mode == "sequence" for p in self.passes.values())
+        """The pack's sequence mode runs in some pass (alone, or in 2x2 inside CFG Split)."""
+        return any(p.mode in ("sequence", TWO_BY_TWO) for p in self.passes.values())
+
+    @property
+    def two_by_two_used(self) -> bool:
+        return any(p.mode == TWO_BY_TWO for p in self.passes.values())
+
+    def sequence_devices(self, devices: list[int]) -> list[int]:
+        """The sequence mode's devices, root first: in 2x2 the root and the three GPUs beside
+        it (a fifth GPU and more sit idle: the groups must be even, `cfg_split_groups`)."""
+        return devices[:TWO_BY_TWO_GPUS] if self.two_by_two_used else list(devices)
 
     def describe(self, name: str) -> str:
         p = self.passes[name]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from ..chunking import sizing as block_sizing
 from ..common import geometry
-from . import cfg_split
+from . import cfg_split, two_by_two
 from .attention import AttentionChoice, missing_kernel_notes, resolve_attention
 from .checkpoint_check import check_dit_file
 from .components import OFFICIAL, ComponentSizes, bf16_sizes, checkpoint_attention
@@ -231,6 +231,10 @@ def _final_times(ctx: DiTContext, decision: ModeDecision, layout: MemoryLayout
         elif memory.mode == "cfg":
             why += (f"; gpu:{ctx.helpers[0]} holds CFG Split's clone of the DiT as a "
                     f"{memory.helper_weights}: {cfg_split.HOW}")
+        elif memory.mode == two_by_two.MODE:
+            pairs = " and ".join("+".join(f"gpu:{i}" for i in pair)
+                                 for pair in two_by_two.pairs(ctx))
+            why += f"; pairs {pairs}, each GPU a whole DiT: {two_by_two.HOW}"
         passes[name] = replace(choice, reason=why, step_time_s=step[name],
                                speedup=single[name] / step[name],
                                helper_weights=memory.helper_weights,

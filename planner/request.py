@@ -11,7 +11,7 @@ from ..common import geometry
 from .hardware import ATTENTION_KERNELS, QUANTIZED_ATTENTION, HardwareProfile
 from .residency import RESIDENT_NEEDS_LEGACY
 
-PARALLEL_MODES = ("auto", "sequence", "heads", "cfg", "off")
+PARALLEL_MODES = ("auto", "sequence", "heads", "cfg", "cfg_sequence", "off")
 MAX_CFG = 100.0  # ComfyUI's KSampler/CFGGuider cfg input ends there
 ATTENTIONS = ("auto", *ATTENTION_KERNELS)
 MAX_STEPS = 200
@@ -34,7 +34,7 @@ class PlanRequest:
     dit_dtype: str = "int8"  # "int8" (official pruned file) or "bf16"
     dit_file: str | None = None  # read real block sizes from this checkpoint's header
     dual_sage: str = "auto"  # "auto" | "on" | "off"
-    parallel: str = "auto"  # per pass: "auto" | "sequence" | "heads" | "cfg" | "off"
+    parallel: str = "auto"  # per pass: one of PARALLEL_MODES
     decode: str = "auto"  # video decode on several GPUs: "auto" | "on" | "off"
     chunking: str = "auto"  # "auto" | "off" | "on"
     resident_blocks: int | None = None  # None = as many as fit

@@ -72,7 +72,7 @@ def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
     `sizing.gpu_speed` / `sizing.link_speed`, the planner's own conversion)."""
     parallel = plan.parallel
     profile = plan.profile
-    order = [plan.root_device, *plan.helper_devices]
+    order = parallel.sequence_devices([plan.root_device, *plan.helper_devices])
     quantized = bool(getattr(plan.request, "quantized_attention", False))
     # the attention kernel the plan was timed with (older plans: the quantized flag)
     kernel = getattr(getattr(plan, "attention", None), "kernel", None)
@@ -82,9 +82,10 @@ def config_from_plan(plan: Any, **overrides: Any) -> SequenceParallelConfig:
     planned = {p.helper_weights for p in parallel.passes.values() if p.mode == "sequence"}
     link = sizing.link_speed(profile.link)
     values: dict[str, Any] = dict(
-        parallel="auto" if parallel.requested in ("auto", "heads") else parallel.requested,
-        helpers=tuple(f"cuda:{i}" for i in plan.helper_devices),
-        split=":".join(f"{w:g}" for w in parallel.row_weights),
+        parallel=("sequence" if parallel.requested in ("sequence", "cfg_sequence") else
+                  "off" if parallel.requested == "off" else "auto"),
+        helpers=tuple(f"cuda:{i}" for i in order[1:]),
+        split=":".join(f"{w:g}" for w in parallel.row_weights[:len(order)]),
         transport=parallel.transport if parallel.transport in ("peer", "host") else "auto",
         gpu_speeds=speeds, link_gbps=link.gbps, host_gbps=link.host_gbps,
         helper_weights=STREAM if STREAM in planned else "auto",

@@ -47,27 +47,35 @@ class HelperLifecycle:
     runner: SequenceRunner | None
     transport: Any
     _note: Callable[[str], None]  # a run-time refusal the status line names
+    cfg: Any  # `cfg_groups.CfgGroups`: the groups beside ComfyUI's CFG Split
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
         return self.split.devices
 
     # ------------------------------------------------------------------ ComfyUI's clones
-    def match_clones(self, root: Any) -> list[Any]:
+    def make_bases(self, root: Any) -> None:
+        """Each helper's base clone (ComfyUI's deepclone_multigpu of `root`), made once."""
+        if self.clone_refusal is not None or root is None or \
+                self.config.parallel is ParallelMode.OFF:
+            return
+        for k in range(1, len(self.devices)):
+            if self.bases.get(k) is None:
+                self.bases[k] = comfy_clones.make_clone(root, self.devices[k])
+
+    def match_clones(self, root: Any, owner: Any = None) -> list[Any]:
         """Before ComfyUI prepares sampling: each helper's clone matched to `root` (this run's
-        patcher) and handed to ComfyUI as an additional model, which loads and patches it."""
+        patcher) and handed to ComfyUI as an additional model of `owner` (default the root;
+        beside CFG Split the copy leading this group), so ComfyUI loads and patches it."""
         if self.clone_refusal is not None or root is None or \
                 self.config.parallel is ParallelMode.OFF:
             return []
+        self.make_bases(root)
         clones, left_off = {}, set()
         for k in range(1, len(self.devices)):
-            base = self.bases.get(k)
-            if base is None:
-                base = comfy_clones.make_clone(root, self.devices[k])
-                self.bases[k] = base
-            clones[k], missing = comfy_clones.match_clone(root, base)
+            clones[k], missing = comfy_clones.match_clone(root, self.bases[k])
             left_off.update(missing)
-        comfy_clones.set_clones(root, list(clones.values()))
+        comfy_clones.set_clones(root if owner is None else owner, list(clones.values()))
         for clone in clones.values():
             comfy_clones.pre_run(clone)
         if left_off:
@@ -81,13 +89,19 @@ class HelperLifecycle:
     def outer_sample_wrapper(self) -> Callable:
         def wrapper(executor: Callable, *args: Any, **kwargs: Any) -> Any:
             root = sampled_patcher(executor)
-            clones = self.match_clones(root)
+            # beside ComfyUI's CFG Split: one group a cond (`cfg_groups`), else the helpers
+            clones = None
+            if root is not None and self.config.parallel is not ParallelMode.OFF:
+                clones = self.cfg.begin(root, list(self.devices[1:]))
+            if clones is None:
+                clones = self.match_clones(root)
             try:
                 return executor(*args, **kwargs)
             finally:
                 for clone in clones:
                     comfy_clones.cleanup(clone)
                 self.clones = None
+                self.cfg.end()
                 if not self.config.keep_weights:
                     self.release()
                     for clone in clones:

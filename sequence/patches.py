@@ -43,7 +43,7 @@ import torch
 from ..comfy_seam import clones as comfy_clones
 from ..comfy_seam import names, protocol
 from ..comfy_seam.devices import gpu_count, root_device
-from ..comfy_seam.h3 import forward_options, in_training, weight_format
+from ..comfy_seam.h3 import forward_options, in_training, weight_format, wrapped_module
 from ..comfy_seam.memory import is_dynamic
 from ..common import exact_rows
 from ..common.formats import (
@@ -56,6 +56,7 @@ from ..common.formats import (
 from ..exchange.mode import PARALLEL_KEY, ParallelMode
 from ..exchange.transport import TransportMode, resolve
 from . import plan, policy, status
+from .cfg_groups import CfgGroups, group_config
 from .config import SequenceParallelConfig
 from .helpers import HelperLifecycle
 from .runner import SequenceRunner, SplitState, device_current
@@ -109,10 +110,37 @@ class SequenceParallel(HelperLifecycle):
         self.blocks_run = 0  # blocks run split, over the model's life (runners come and go)
         self.notes: dict[str, None] = {}  # run-time refusals the status line names
         self._floors: dict[tuple, tuple[int | None, str, int | None]] = {}
+        self._group_patches: dict[tuple[int, int], Callable] = {}
+        self.cfg = CfgGroups(self._make_group)  # the groups beside ComfyUI's CFG Split
 
     @property
     def host_relay(self) -> bool:
         return "host" in self.modes
+
+    @property
+    def all_devices(self) -> tuple[torch.device, ...]:
+        """The root and every helper the mode was given (beside CFG Split they are dealt
+        to the groups)."""
+        return self.devices
+
+    def _make_group(self, devices: list[torch.device], diffusion_model: torch.nn.Module,
+                    base_model: Any) -> SequenceParallel:
+        """One group beside CFG Split: the mode on `devices`, led by that cond's copy."""
+        config = group_config(self.config, list(self.devices), devices)
+        return SequenceParallel(diffusion_model, base_model, devices, config,
+                                dynamic_vram=self.dynamic_vram, clone_refusal=self.clone_refusal)
+
+    def detach_model(self) -> None:
+        """A group after its run: no reference left to the model it ran (CFG Split's copy)."""
+        self.diffusion_model = self.base_model = None
+        self.blocks = []
+        self.forward = None
+        self._group_patches = {}
+
+    def release_all(self) -> None:
+        """Everything the mode holds on the helpers, its groups' too (ComfyUI unloads it)."""
+        self.release()
+        self.cfg.release()
 
     # ------------------------------------------------------------------ facts for the policy
     def gemm_devices(self) -> list[policy.GemmDevice]:
@@ -212,7 +240,9 @@ class SequenceParallel(HelperLifecycle):
         status.warn_once(text)  # the status line reads the notes live (`record_status`)
 
     def status(self) -> str:
-        return status.status_line(self)
+        line = status.status_line(self)
+        words = self.cfg.words()
+        return f"{line}; {words}" if words else line
 
     def choose_for(self, forward: _Forward, seq_len: int,
                    dtype: torch.dtype = torch.bfloat16) -> ParallelMode:
@@ -244,6 +274,9 @@ class SequenceParallel(HelperLifecycle):
             forward = self.forward
             options = args.get(plan.OPTIONS)
             if forward is None or forward.options is not options:
+                group = self.cfg.owner_of(options)  # a cond's group beside CFG Split
+                if group is not None:
+                    return group.group_patch(index, previous)(args, extra)
                 return _call(previous, args, extra)  # outside our wrapper: plain block
             h = args[plan.RESIDUAL]
             if forward.mode is None:
@@ -265,6 +298,14 @@ class SequenceParallel(HelperLifecycle):
             forward.split = None
             return previous(args, {**extra, names.ORIGINAL_BLOCK: run})
 
+        return patch
+
+    def group_patch(self, index: int, previous: Callable | None) -> Callable:
+        """This group's patch of block `index` over the chain the root's options carry."""
+        key = (index, id(previous))
+        patch = self._group_patches.get(key)
+        if patch is None:
+            patch = self._group_patches[key] = self.block_patch(index, previous)
         return patch
 
     def _gather_into(self, forward: _Forward) -> None:
@@ -315,20 +356,29 @@ class SequenceParallel(HelperLifecycle):
             options = forward_options(args, kwargs)
             if options is None:
                 return executor(*args, **kwargs)
-            with device_current(self.devices[0]):
-                try:
-                    self.begin_forward(options)
-                    try:
-                        return executor(*args, **kwargs)
-                    except SequenceFailure as failure:
-                        self.recover(failure.__cause__ or failure, failure.seq_len)
-                        self.begin_forward(options, forced=ParallelMode.OFF)
-                        return executor(*args, **kwargs)
-                finally:
-                    self.forward = None
-                    options.pop(PARALLEL_KEY, None)
+            if self.cfg.active:  # beside CFG Split: the group of the copy this forward runs
+                group = self.cfg.for_model(wrapped_module(executor))
+                if group is None:
+                    return executor(*args, **kwargs)
+                return group.run_forward(executor, options, args, kwargs)
+            return self.run_forward(executor, options, args, kwargs)
 
         return wrapper
+
+    def run_forward(self, executor: Callable, options: dict, args: tuple, kwargs: dict) -> Any:
+        """One DiT forward on this mode's devices (a helper failure: again on the root)."""
+        with device_current(self.devices[0]):
+            try:
+                self.begin_forward(options)
+                try:
+                    return executor(*args, **kwargs)
+                except SequenceFailure as failure:
+                    self.recover(failure.__cause__ or failure, failure.seq_len)
+                    self.begin_forward(options, forced=ParallelMode.OFF)
+                    return executor(*args, **kwargs)
+            finally:
+                self.forward = None
+                options.pop(PARALLEL_KEY, None)
 
 
 class SequenceFailure(Exception):
@@ -387,7 +437,7 @@ def apply_sequence_parallel(model_patcher: Any, config: SequenceParallelConfig) 
         patched, FEATURE, *hooks,
         protocol.wrapper(names.DIFFUSION_MODEL, mode.diffusion_model_wrapper()),
         protocol.wrapper(names.OUTER_SAMPLE, mode.outer_sample_wrapper()),
-        protocol.callback(names.ON_DETACH, lambda *a, **k: mode.release()),
+        protocol.callback(names.ON_DETACH, lambda *a, **k: mode.release_all()),
         state=mode)
     # live: run-time refusals show in the line as soon as they happen
     protocol.record_status(patched, FEATURE, mode.status(), live=mode.status)

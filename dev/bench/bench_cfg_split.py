@@ -1,4 +1,4 @@
-"""CFG above 1 on two GPUs: ComfyUI's MultiGPU CFG Split against the pack's sequence parallel.
+"""CFG above 1 on two or four GPUs: ComfyUI's MultiGPU CFG Split against the pack's modes.
 
 One sampling step (CFGGuider at CFG 4: cond and uncond) of ComfyUI's real H3 DiT at full width
 with random weights (tests/h3_checkpoints.py, loaded by ComfyUI's own loader), `--blocks` of its
@@ -6,17 +6,22 @@ with random weights (tests/h3_checkpoints.py, loaded by ComfyUI's own loader), `
 ComfyUI's own sampler path:
 - `one_gpu`: the root GPU alone (ComfyUI runs the two calls, batched when memory allows);
 - `cfg_split`: core's MultiGPU CFG Split (its node's execute, max_gpus 2): one call a GPU;
-- `sequence`: the pack's sequence parallel over both GPUs, both calls.
-Each mode's output is compared with `one_gpu` (bit for bit and the largest difference), and the
-planner's prediction for this machine (`planner.plan_job`, `--cfg 4`) is scaled to the blocks run
-(its per-step time over 50 blocks), so the time model's CFG split is checked against a real one.
+- `sequence`: the pack's sequence parallel over the GPUs, both calls;
+- `cfg_sequence` (`--gpus 4`): the 2x2, the pack's sequence mode on the three helpers and then
+  core's CFG Split (max_gpus 2): one sequence pair a cond.
+Each mode's output is compared with `one_gpu` (bit for bit and the largest difference), the 2x2's
+also with `cfg_split` (its yardstick: core's CFG-split output), and the planner's prediction for
+this machine (`planner.plan_job`, `--cfg 4`) is scaled to the blocks run (its per-step time over
+50 blocks), so the time model's CFG modes are checked against real ones.
 
-Needs two GPUs (the issue holding the two-GPU runs); `--tiny` checks the script on a CPU with two
-stand-in devices (cpu, cpu:0) and the tiny DiT:
+Needs two GPUs, four for `--gpus 4` (the issue holding the multi-GPU runs); `--tiny` checks the
+script on a CPU with stand-in devices (cpu, cpu:0, ...) and the tiny DiT:
 
     PYTHONPATH=<folder holding h3_multigpu> COMFYUI_PATH=/path/to/ComfyUI \\
         python dev/bench/bench_cfg_split.py --out $OUT/cfg_split.json
-    COMFYUI_PATH=... python dev/bench/bench_cfg_split.py --tiny --out /tmp/cfg_split.json
+    PYTHONPATH=... COMFYUI_PATH=... python dev/bench/bench_cfg_split.py --gpus 4 \\
+        --out $OUT/cfg_split_2x2.json
+    COMFYUI_PATH=... python dev/bench/bench_cfg_split.py --tiny [--gpus 4] --out /tmp/cfg.json
 
 About 3-6 minutes on two H100/H200s at the default 8 blocks (loading included). JSON to --out,
 short table last.
@@ -39,7 +44,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "tests"))
 
-MODES = ("one_gpu", "cfg_split", "sequence")
+MODES = ("one_gpu", "cfg_split", "sequence", "cfg_sequence")
 CFG = 4.0
 
 
@@ -47,6 +52,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true", help="CPU check: tiny DiT, stand-in devices")
+    p.add_argument("--gpus", type=int, choices=(2, 4), default=2,
+                   help="2: one_gpu, cfg_split, sequence; 4: also the 2x2 (cfg_sequence)")
     p.add_argument("--formats", default="int8_convrot,bf16")
     p.add_argument("--blocks", type=int, default=8, help="DiT blocks of the 50 (default 8)")
     p.add_argument("--iters", type=int, default=3)
@@ -60,12 +67,18 @@ def _sync() -> None:
             torch.cuda.synchronize(i)
 
 
-def _devices(tiny: bool) -> list[torch.device]:
+def _devices(tiny: bool, count: int) -> list[torch.device]:
+    """The planner's root first (GPU1), then its helpers (GPU0 first: CFG Split's copy)."""
     if tiny:
-        return [torch.device("cpu"), torch.device("cpu", 0)]
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("bench_cfg_split needs two GPUs (or --tiny on a CPU)")
-    return [torch.device("cuda", 1), torch.device("cuda", 0)]  # the planner's root, helper
+        return [torch.device("cpu"), *(torch.device("cpu", i) for i in range(count - 1))]
+    if torch.cuda.device_count() < count:
+        raise SystemExit(f"bench_cfg_split --gpus {count} needs {count} GPUs (or --tiny on a "
+                         "CPU)")
+    return [torch.device("cuda", i) for i in (1, 0, *range(2, count))]
+
+
+def _modes(count: int) -> tuple[str, ...]:
+    return MODES if count == 4 else MODES[:3]
 
 
 def _stand_in_devices(devices: list[torch.device]) -> None:
@@ -111,19 +124,24 @@ def _model(mode: str, patcher, devices):
         return patcher.clone()
     if mode == "cfg_split":
         return cfg_split(patcher, 2)
-    helper = "cpu" if devices[1].type == "cpu" else f"gpu:{devices[1].index}"
-    return apply_from_strings(patcher, "sequence", parallel="sequence", helpers=helper)
+    names = ",".join(str(d) if d.type == "cpu" else f"gpu:{d.index}" for d in devices[1:])
+    sequence = apply_from_strings(patcher, "sequence", parallel="sequence", helpers=names)
+    return cfg_split(sequence, 2) if mode == "cfg_sequence" else sequence
 
 
 def _engaged(mode: str, model, split_steps: list[int]) -> dict:
     """What ran: CFG Split's multi-GPU steps, the sequence mode's steps per mode."""
     if mode == "cfg_split":
         return {"cfg_split_steps": split_steps[0]}
-    if mode == "sequence":
+    if mode in ("sequence", "cfg_sequence"):
         from h3_multigpu.sequence import get_sequence_parallel
 
         found = get_sequence_parallel(model)
-        return {"sequence_steps": dict(found.steps) if found is not None else None}
+        if found is None:
+            return {"sequence_steps": None}
+        steps = found.cfg.steps if mode == "cfg_sequence" else found.steps
+        return {"sequence_steps": dict(steps),
+                **({"cfg_split_steps": split_steps[0]} if mode == "cfg_sequence" else {})}
     return {}
 
 
@@ -179,8 +197,8 @@ def bench(fmt: str, args, devices, workdir: str) -> dict:
         gen = torch.Generator().manual_seed(7)
         negative = [[torch.randn(inputs.positive[0][0].shape, generator=gen), {}]]
         row: dict = {"latent_thw": [t, h, w]}
-        reference = None
-        for mode in MODES:
+        reference = core_split = None
+        for mode in _modes(len(devices)):
             unload_all()
             model = _model(mode, patcher, devices)
             split_steps[0] = 0
@@ -202,6 +220,11 @@ def bench(fmt: str, args, devices, workdir: str) -> dict:
                 entry["bit_identical"] = all(torch.equal(a, b) for a, b in pairs)
                 entry["max_abs_diff"] = max(float((a.float() - b.float()).abs().max())
                                             for a, b in pairs)
+            if mode == "cfg_split":
+                core_split = out
+            elif mode == "cfg_sequence" and core_split is not None:
+                entry["bit_identical_vs_cfg_split"] = all(
+                    torch.equal(a, b) for a, b in zip(out, core_split, strict=True))
             row[mode] = entry
         result["passes"][name] = row
     unload_all()
@@ -213,7 +236,7 @@ def main(argv=None) -> int:
     from comfyui_h3 import import_comfyui
 
     import_comfyui()
-    devices = _devices(args.tiny)
+    devices = _devices(args.tiny, args.gpus)
     _stand_in_devices(devices) if args.tiny else None
     torch.set_num_threads(2) if args.tiny else None
     report = {"devices": [str(d) for d in devices], "cfg": CFG,
@@ -226,23 +249,26 @@ def main(argv=None) -> int:
             report["results"].append(bench(fmt.strip(), args, devices, workdir))
     report["predicted_s"] = _predicted(args, args.blocks)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"{'format':<14}{'pass':<7}{'mode':<11}{'step s':>9}{'vs one':>8}{'predicted':>11}"
-          f"  exact  ran")
+    print(f"{'format':<14}{'pass':<7}{'mode':<13}{'step s':>9}{'vs one':>8}{'predicted':>11}"
+          f"  exact  ran  (cfg_sequence: exact vs cfg_split)")
     for res in report["results"]:
         for name, row in res["passes"].items():
             base = row.get("one_gpu", {}).get("step_s")
-            for mode in MODES:
+            for mode in _modes(len(devices)):
                 entry = row.get(mode, {})
                 if "error" in entry:
-                    print(f"{res['format']:<14}{name:<7}{mode:<11}  {entry['error'][:60]}")
+                    print(f"{res['format']:<14}{name:<7}{mode:<13}  {entry['error'][:60]}")
                     continue
                 key = {"one_gpu": "off"}.get(mode, "cfg" if mode == "cfg_split" else mode)
                 pred = report["predicted_s"].get(name, {}).get(key)
                 ratio = base / entry["step_s"] if base else float("nan")
                 exact = {True: "bit", False: f"{entry.get('max_abs_diff', 0):.1e}"}.get(
                     entry.get("bit_identical"), "ref")
-                ran = entry.get("cfg_split_steps", entry.get("sequence_steps", ""))
-                print(f"{res['format']:<14}{name:<7}{mode:<11}{entry['step_s']:>9.3f}"
+                if "bit_identical_vs_cfg_split" in entry:
+                    exact = "bit" if entry["bit_identical_vs_cfg_split"] else "DIFF"
+                ran = " ".join(str(entry[k]) for k in ("cfg_split_steps", "sequence_steps")
+                               if k in entry)
+                print(f"{res['format']:<14}{name:<7}{mode:<13}{entry['step_s']:>9.3f}"
                       f"{ratio:>8.2f}{pred if pred is not None else float('nan'):>11.3f}"
                       f"  {exact:<5}  {ran}")
     return 0
