@@ -6,6 +6,21 @@ VBAR at op time, so a helper's decoder must be ComfyUI's own multi-GPU clone
 is the full-size fp16 file, loaded by ComfyUI's own Load VAE node (which registers the reload
 factory the clone needs); the reference is ComfyUI's unpatched `VAE.decode`.
 
+The split must equal that reference bit for bit where ComfyUI's own decode is reproducible.
+Under DynamicVRAM it is not always: on one H100 80GB HBM3 (torch 2.11.0+cu130, cuDNN 9.19) the
+first VAE.decode of the process differed from every later one in the first window's frames (0-21
+of 73: up to 0.0016 in [0, 1] pixels, about one fp16 step of the decoder), with nothing patched;
+the difference starts at the first attention call (the post-quant conv, the linears before it,
+RMSNorm and RoPE were equal). Every later decode, warm or first after ComfyUI unloaded
+everything, on the root or on the clone, with 3 to 12 GiB left free, was equal bit for bit, and
+so was the split (on the H200 the first decode was equal too). So each test decodes the same
+latent unpatched several times, on the root and on each helper's clone (the process's or the
+GPU's first decode among them, the first after ComfyUI unloaded everything, and warm ones), and
+the split must equal one of ComfyUI's own decodes bit for bit (where they all agree: all of
+them); their spread must stay about an fp16 step (`MAX_SPREAD`), else ComfyUI's own decode is
+not reproducible on that machine and the test says so. A wrong window, cut or cross-fade equals
+none of them.
+
 On one GPU the helper is a second clone on the same GPU (proves the plumbing: the clone, its
 load by ComfyUI, its own VBAR, the cut and the cross-fade); on two GPUs the patch is applied as
 a user applies it. DynamicVRAM must be switched on before `comfy.model_management` is imported,
@@ -17,6 +32,7 @@ as ComfyUI's main.py does, so run this file in a pytest process of its own:
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -37,6 +53,11 @@ from h3_multigpu.decode.replica import CloneMissing, check_replicable, comfy_clo
 pytestmark = pytest.mark.comfyui
 
 VAE_NAME = "minimax_h3_video_vae_fp16.safetensors"
+# ComfyUI's own unpatched decodes of one latent may differ in the last bits (see the docstring),
+# by this much at most: pixels are in [0, 1]; one fp16 step of the raw decoder
+# output near 1 is 2^-10, ~0.0002 after the (x * 0.229 + 0.485) of _finalize_pixels; the H100
+# measured 0.0016 (a step of a larger activation carried through the window)
+MAX_SPREAD = 0.01
 
 
 def _enable_dynamic_vram():
@@ -84,13 +105,53 @@ def _latent(t: int) -> torch.Tensor:
     return torch.randn(1, 24, t, 8, 10, generator=torch.Generator().manual_seed(t))
 
 
+def _on_clone(vae, patcher):
+    """The VAE wrapper decoding with ComfyUI's clone `patcher`, as Select VAE Device makes it."""
+    other = copy.copy(vae)
+    other.patcher = patcher
+    other.first_stage_model = patcher.model
+    other.device = patcher.load_device
+    return other
+
+
+def _comfys_own_decodes(vaes, z: torch.Tensor) -> list[torch.Tensor]:
+    """ComfyUI's unpatched VAE.decode of `z` on each wrapper: the first right after ComfyUI
+    unloaded everything (every weight faulted into the VBAR as it runs), then a warm one."""
+    from comfyui_h3 import unload_all
+
+    out = []
+    for vae in vaes:
+        unload_all()
+        with torch.inference_mode():
+            out += [vae.decode(z), vae.decode(z)]
+    return out
+
+
+def _assert_matches_comfys_own(out: torch.Tensor, expected: torch.Tensor,
+                               references: list[torch.Tensor], line: str = "") -> None:
+    """`out` (the split) equals one of ComfyUI's own unpatched decodes (`references`, `expected`
+    = VAE.decode first among them) bit for bit, and those differ by MAX_SPREAD at most."""
+    assert out.isfinite().all() and out.shape == expected.shape, line
+    spread = max((a.float() - b.float()).abs().max().item()
+                 for a in references for b in references)
+    error = (out.float() - expected.float()).abs().max().item()
+    equal = sum(torch.equal(out, r) for r in references)
+    why = (f"split vs VAE.decode: max |difference| {error:.3g}; the split equals {equal} of "
+           f"ComfyUI's own {len(references)} unpatched decodes of this latent (on the root and "
+           f"the helper's clone, first after a load and warm), which differ among themselves by "
+           f"up to {spread:.3g}. {line}")
+    assert spread <= MAX_SPREAD, "ComfyUI's own decode is not reproducible here: " + why
+    assert equal > 0, why
+
+
 @pytest.mark.gpu
-def test_dynamic_vram_helper_is_comfys_clone_and_the_decode_is_bit_identical(dynamic):
+def test_dynamic_vram_helper_is_comfys_clone_and_the_decode_matches_comfys_own(dynamic):
     vae, gpu = dynamic, torch.device("cuda", 0)
     _needs_factory(vae)
     z = _latent(22)  # 4 windows
     with torch.inference_mode():
         expected = vae.decode(z)
+        again = vae.decode(z)
     root = vae.first_stage_model
     assert check_replicable(root) is not None  # loaded under DynamicVRAM: never copied
     helper = Helper(gpu, comfy_clone(vae.patcher, gpu))
@@ -100,14 +161,16 @@ def test_dynamic_vram_helper_is_comfys_clone_and_the_decode_is_bit_identical(dyn
     patched = install(vae, patch)
     with torch.inference_mode():
         out = patched.decode(z)
-    assert out.isfinite().all() and torch.equal(out, expected)
-    report = patch.last_report
-    assert patch.split_calls == 1 and report.devices == ["cuda:0", "cuda:0"]
+    report, line = patch.last_report, patch.last_line
+    assert patch.split_calls == 1 and report.devices == ["cuda:0", "cuda:0"], line
     assert report.copy_seconds == {} and report.handovers == 1 and report.same_tile_batches
     # the helper decoded with ComfyUI's clone: its own VBAR, weights still on the host
     linear = helper.patcher.model.decoder.transformer_blocks[0].attn.to_qkv
     assert hasattr(linear, "_v") and linear.weight.device.type == "cpu"
     assert linear is not root.decoder.transformer_blocks[0].attn.to_qkv
+    references = [expected, again, *_comfys_own_decodes(
+        [vae, _on_clone(vae, helper.patcher)], z)]
+    _assert_matches_comfys_own(out, expected, references, line)
 
 
 @pytest.mark.gpu
@@ -132,18 +195,23 @@ def test_dynamic_vram_without_a_reload_factory_says_why(dynamic):
 
 
 @pytest.mark.multi_gpu
-def test_dynamic_vram_split_on_gpus_is_bit_identical(dynamic):
+def test_dynamic_vram_split_on_gpus_matches_comfys_own(dynamic):
     assert torch.cuda.device_count() >= 2
     _needs_factory(dynamic)
     z = _latent(37)  # 7 windows
     with torch.inference_mode():
         expected = dynamic.decode(z)
+        again = dynamic.decode(z)
     patched, line = apply_multi_gpu_decode(dynamic, MultiGPUDecodeConfig())
     assert "helper decoder: ComfyUI's multi-GPU clone (deepclone_multigpu), loaded on the " \
            "helper by ComfyUI under DynamicVRAM" in line, line
-    with torch.inference_mode():
-        out = patched.decode(z)
     patch = find_patch(patched)
-    assert torch.equal(out, expected), patch.last_line
+    clones = [_on_clone(dynamic, h.patcher) for h in patch.helpers]
+    with torch.inference_mode():
+        # ComfyUI's own first decode on each helper GPU (a first decode may differ, see above)
+        firsts = [clone.decode(z) for clone in clones]
+        out = patched.decode(z)
     assert patch.split_calls == 1 and any(d.startswith("cuda:1") for d in
-                                          patch.last_report.devices)
+                                          patch.last_report.devices), patch.last_line
+    references = [expected, again, *firsts, *_comfys_own_decodes([dynamic, *clones], z)]
+    _assert_matches_comfys_own(out, expected, references, patch.last_line)
