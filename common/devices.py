@@ -31,6 +31,15 @@ def parse_devices(text: str) -> tuple[torch.device, ...] | None:
     return tuple(out)
 
 
+def helper_devices(root: torch.device, names: Sequence[str] | None,
+                   visible: int) -> list[torch.device]:
+    """A mode's helpers as written (`names`), or None: every other of the `visible` GPUs."""
+    if names is None:
+        return [torch.device("cuda", i) for i in range(visible)
+                if root.type != "cuda" or i != root.index]
+    return list(parse_devices(",".join(names)) or ())
+
+
 def validate_devices(root: torch.device, helpers: Sequence[torch.device]) -> None:
     """ValueError for an unknown GPU or a helper equal to the root ("cpu" only in CPU tests)."""
     count = gpu_count()

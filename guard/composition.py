@@ -24,7 +24,7 @@ import torch
 from ..comfy_seam import protocol
 from ..comfy_seam.clones import cfg_split_devices
 from ..comfy_seam.devices import gpu_count, root_device
-from ..common.devices import CFG_SPLIT_NODE, cfg_split_groups, parse_devices
+from ..common.devices import CFG_SPLIT_NODE, cfg_split_groups, helper_devices
 
 # the pack's DiT features that cannot run on CFG Split's per-GPU copies
 REFUSED_WITH_CFG_SPLIT = ("dual_sage", "prefetch", "chunking")
@@ -64,15 +64,10 @@ def sequence_helpers(patcher: Any, config: Any = None) -> list[torch.device]:
     the config's (None: every other GPU ComfyUI uses)."""
     if config is None:
         state = protocol.find(patcher, "sequence")
-        devices = getattr(state, "all_devices", None)
+        devices = getattr(state, "devices", None)
         if devices is not None:
             return list(devices[1:])
-    names = getattr(config, "helpers", None)
-    if names is None:
-        root = root_device(patcher)
-        return [torch.device("cuda", i) for i in range(gpu_count())
-                if root.type != "cuda" or i != root.index]
-    return list(parse_devices(",".join(names)) or ())
+    return helper_devices(root_device(patcher), getattr(config, "helpers", None), gpu_count())
 
 
 def check_cfg_split(patcher: Any, features: tuple[str, ...] | None = None,

@@ -117,12 +117,6 @@ class SequenceParallel(HelperLifecycle):
     def host_relay(self) -> bool:
         return "host" in self.modes
 
-    @property
-    def all_devices(self) -> tuple[torch.device, ...]:
-        """The root and every helper the mode was given (beside CFG Split they are dealt
-        to the groups)."""
-        return self.devices
-
     def _make_group(self, devices: list[torch.device], diffusion_model: torch.nn.Module,
                     base_model: Any) -> SequenceParallel:
         """One group beside CFG Split: the mode on `devices`, led by that cond's copy."""

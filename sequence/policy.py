@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..common import exact_rows
-from ..common.devices import parse_devices, validate_devices
+from ..common.devices import helper_devices, validate_devices
 from ..exchange.mode import ParallelMode
 from ..exchange.transport import TransportMode
 from . import sizing
@@ -29,11 +29,8 @@ def resolve_devices(root: torch.device, helpers: tuple[str, ...] | None,
                     visible: int) -> list[torch.device]:
     """Root first, then the helpers (None: every other of the `visible` GPUs); ValueError for
     an unknown or repeated GPU."""
-    if helpers is None:
-        found = [torch.device("cuda", i) for i in range(visible)
-                 if root.type != "cuda" or i != root.index]
-    else:  # the parsing and checks Dual-Sage and the decode use
-        found = list(parse_devices(",".join(helpers)) or ())
+    # the parsing and checks Dual-Sage and the decode use
+    found = helper_devices(root, helpers, visible)
     if not found:
         raise ValueError(f"sequence parallel needs a helper GPU besides the root {root}; none "
                          "is visible (set helpers, or parallel 'off')")

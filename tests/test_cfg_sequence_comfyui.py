@@ -17,7 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 from comfyui_h3 import TinyH3Config, make_inputs, make_tiny_h3, run_like_sampler
-from test_cfg_split_comfyui import cfg_split, split_calls, stand_in_gpus  # noqa: F401
+from test_cfg_split_comfyui import (  # noqa: F401 (fixtures)
+    CFG,
+    _same,
+    cfg_split,
+    sample,
+    split_calls,
+    stand_in_gpus,
+)
 
 from h3_multigpu.comfy_seam import protocol
 from h3_multigpu.comfy_seam.clones import cfg_split_clones
@@ -27,7 +34,6 @@ from h3_multigpu.sequence import get_sequence_parallel
 pytestmark = [pytest.mark.comfyui, pytest.mark.usefixtures("fresh_comfyui", "two_cpu_threads")]
 
 CONFIG = TinyH3Config(heads=4)
-CFG = 4.0
 LONGER = (3, 8, 8)  # 74 rows: >= 16 rows on each share of a pair
 HELPERS = "cpu:1,cpu:2"
 
@@ -38,15 +44,6 @@ def job():
     gen = torch.Generator().manual_seed(7)
     negative = [[torch.randn(inputs.positive[0][0].shape, generator=gen), {}]]
     return inputs, negative
-
-
-def sample(patcher, job):
-    inputs, negative = job
-    return run_like_sampler(patcher, inputs, negative=negative, cfg=CFG)
-
-
-def _same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 class ModelForwards:
@@ -260,3 +257,28 @@ def test_a_2x2_plan_sets_up_the_groups_and_core_cfg_split(stand_in_gpus, split_c
     assert all(g.steps["sequence"] == 1 for g in groups)
     assert "one sequence group a cond (2x2): cpu+cpu:1, cpu:0+cpu:2" in \
         protocol.status_lines(model)["sequence"]
+
+
+def test_two_by_two_on_a_bf16_checkpoint_from_comfys_loader(stand_in_gpus, split_calls,  # noqa: F811
+                                                            tmp_path):
+    """A random-weight bf16 DiT in the official layout, loaded by ComfyUI's UNETLoader path
+    (`comfy.sd.load_diffusion_model`, its compute dtype): the 2x2 equals core's CFG split."""
+    import types
+
+    from comfyui_h3 import load_dit
+    from h3_checkpoints import DiTShape, write_dit
+
+    shape = DiTShape.tiny(heads=4)
+    path = write_dit(tmp_path / "dit_bf16.safetensors", shape, "bf16", seed=0)
+    patcher = load_dit(path)
+    inputs = make_inputs(types.SimpleNamespace(text_dim=shape.text_dim), latent_thw=LONGER,
+                         keyframe=True, audio_mask=True, seed=1)
+    gen = torch.Generator().manual_seed(7)
+    job = inputs, [[torch.randn(inputs.positive[0][0].shape, generator=gen), {}]]
+    reference = sample(cfg_split(patcher, 2), job)
+    model = cfg_split(_sequence(patcher), 2)
+    out = sample(model, job)
+    assert split_calls and _same(out, reference)
+    groups = get_sequence_parallel(model).cfg.finished
+    assert len(groups) == 2 and all(g.steps["sequence"] == 1 for g in groups)
+    assert all(g.blocks_run == shape.blocks for g in groups)
